@@ -1,0 +1,46 @@
+"""Durable steps for Celery tasks: a retry skips the side effects that already happened.
+
+::
+
+    @app.task(base=DurableTask, autoretry_for=(Exception,), retry_backoff=True)
+    def book_trip(user_id, query):
+        with step("book-flight") as s:
+            s.result = airline.book(query, idempotency_key=s.idempotency_key)
+        ...
+"""
+
+from ._rewrite import durable
+from ._step import StepContext, step
+from ._task import DurableTask
+from ._view import RunView, StepView, get_run
+from .errors import (
+    ConfigurationError,
+    DuraflowError,
+    InvalidStepName,
+    NotInDurableTask,
+    StepConflict,
+    StepNotPrepared,
+    StepOutputNotSerializable,
+    StoreUnavailable,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigurationError",
+    "DurableTask",
+    "DuraflowError",
+    "InvalidStepName",
+    "NotInDurableTask",
+    "RunView",
+    "StepConflict",
+    "StepContext",
+    "StepNotPrepared",
+    "StepOutputNotSerializable",
+    "StepView",
+    "StoreUnavailable",
+    "__version__",
+    "durable",
+    "get_run",
+    "step",
+]

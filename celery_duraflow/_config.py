@@ -1,0 +1,156 @@
+"""Configuration, read once per app from ``app.conf`` and the environment."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError
+
+from .errors import ConfigurationError
+
+DEFAULT_DATABASE_URL = "sqlite:///duraflow.sqlite3"
+DEFAULT_TABLE_PREFIX = "duraflow_"
+DEFAULT_SERIALIZER = "json"
+DEFAULT_LEASE_SECONDS = 30.0
+DEFAULT_ETA_THRESHOLD = 60.0
+
+_PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
+
+# The attribute under which the parsed config is cached on the Celery app.
+_CACHE_ATTR = "_duraflow_config"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The ``duraflow_*`` settings of one Celery app, validated."""
+
+    database_url: URL
+    table_prefix: str = DEFAULT_TABLE_PREFIX
+    serializer: str = DEFAULT_SERIALIZER
+    engine_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    auto_migrate: bool = True
+    lease_seconds: float = DEFAULT_LEASE_SECONDS
+    eta_threshold: float = DEFAULT_ETA_THRESHOLD
+
+
+def _setting(conf: Any, key: str) -> Any:
+    """Read ``duraflow_<key>`` from app.conf, also under the CELERY_ namespace."""
+    for name in (f"duraflow_{key}", f"DURAFLOW_{key.upper()}", f"CELERY_DURAFLOW_{key.upper()}"):
+        try:
+            value = conf.get(name)
+        except Exception:  # pragma: no cover - exotic conf objects
+            value = getattr(conf, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def parse_database_url(raw: Any, *, key: str = "duraflow_database_url") -> URL:
+    """Parse a SQLAlchemy URL; bare ``postgresql://`` means psycopg 3."""
+    if isinstance(raw, URL):
+        url = raw
+    elif isinstance(raw, str) and raw.strip():
+        try:
+            url = make_url(raw.strip())
+        except ArgumentError as exc:
+            raise ConfigurationError(
+                f"{key} = {raw!r} is not a database URL ({exc}). Use a SQLAlchemy URL such as "
+                "'postgresql+psycopg://user:password@host:5432/dbname' or "
+                "'sqlite:///duraflow.sqlite3'."
+            ) from None
+    else:
+        raise ConfigurationError(
+            f"{key} must be a non-empty string URL, got {raw!r}. Use a SQLAlchemy URL such as "
+            "'postgresql+psycopg://user:password@host:5432/dbname'."
+        )
+    backend = url.get_backend_name()
+    if backend in ("postgresql", "postgres"):
+        if url.get_driver_name() in ("psycopg2", "") or url.drivername in ("postgres",):
+            # psycopg 3 is the only Postgres driver we depend on.
+            url = url.set(drivername="postgresql+psycopg")
+    elif backend != "sqlite":
+        raise ConfigurationError(
+            f"{key} uses the {backend!r} database, which celery-duraflow does not support. "
+            "Use PostgreSQL ('postgresql+psycopg://...') or SQLite ('sqlite:///file.sqlite3')."
+        )
+    return url
+
+
+def _as_float(value: Any, key: str, default: float, *, minimum: float) -> float:
+    if value is None:
+        return default
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigurationError(f"{key} must be a number of seconds, got {value!r}.") from None
+    if not number >= minimum:
+        raise ConfigurationError(f"{key} must be at least {minimum}, got {value!r}.")
+    return number
+
+
+def _as_bool(value: Any, key: str, default: bool) -> bool:
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ConfigurationError(f"{key} must be True or False, got {value!r}.")
+
+
+def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
+    """Build a :class:`Config` from a Celery ``app.conf`` (or any mapping)."""
+    env = os.environ if environ is None else environ
+
+    raw_url = _setting(conf, "database_url") or env.get("DURAFLOW_DATABASE_URL")
+    url = parse_database_url(raw_url or DEFAULT_DATABASE_URL)
+
+    prefix = _setting(conf, "table_prefix")
+    if prefix is None:
+        prefix = DEFAULT_TABLE_PREFIX
+    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+        raise ConfigurationError(
+            f"duraflow_table_prefix = {prefix!r} is not allowed: use 1 to 40 letters, digits and "
+            "underscores, starting with a letter or underscore (for example 'duraflow_')."
+        )
+
+    serializer = _setting(conf, "serializer") or DEFAULT_SERIALIZER
+    if not isinstance(serializer, str):
+        raise ConfigurationError(
+            f"duraflow_serializer must be 'json', 'pickle' or a dotted path, got {serializer!r}."
+        )
+
+    options = _setting(conf, "engine_options") or {}
+    if not isinstance(options, Mapping):
+        raise ConfigurationError(
+            f"duraflow_engine_options must be a dict of create_engine() arguments, got {options!r}."
+        )
+
+    return Config(
+        database_url=url,
+        table_prefix=prefix,
+        serializer=serializer,
+        engine_options=MappingProxyType(dict(options)),
+        auto_migrate=_as_bool(_setting(conf, "auto_migrate"), "duraflow_auto_migrate", True),
+        lease_seconds=_as_float(_setting(conf, "lease_seconds"), "duraflow_lease_seconds",
+                                DEFAULT_LEASE_SECONDS, minimum=1.0),
+        eta_threshold=_as_float(_setting(conf, "eta_threshold"), "duraflow_eta_threshold",
+                                DEFAULT_ETA_THRESHOLD, minimum=0.0),
+    )
+
+
+def config_for_app(app: Any) -> Config:
+    """The app's :class:`Config`, parsed on first use and cached on the app."""
+    cached: Config | None = getattr(app, _CACHE_ATTR, None)
+    if cached is None:
+        cached = load_config(app.conf)
+        setattr(app, _CACHE_ATTR, cached)
+    return cached

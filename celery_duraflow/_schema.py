@@ -1,0 +1,162 @@
+"""Tables and numbered schema migrations.
+
+All tables share the configurable prefix (``duraflow_`` by default). The
+migrations below are append-only: a release never edits an applied step, it
+adds the next number. Each one runs in its own transaction and is recorded in
+``<prefix>schema``; :func:`migrate` serializes concurrent callers with a
+PostgreSQL advisory lock (SQLite: ``BEGIN IMMEDIATE``), so a fleet of workers
+starting at once applies each step exactly once.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Engine,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    func,
+    select,
+    text,
+)
+from sqlalchemy.engine import Connection
+
+# Long enough for Celery's UUIDs and for the ids users choose themselves.
+TASK_ID_LENGTH = 255
+STEP_KEY_LENGTH = 1024
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The SQLAlchemy Core tables for one table prefix."""
+
+    metadata: MetaData
+    schema_version: Table
+    runs: Table
+    steps: Table
+
+
+def build_tables(prefix: str) -> Tables:
+    """Declare the tables for ``prefix`` (already validated by the config)."""
+    metadata = MetaData()
+    schema_version = Table(
+        f"{prefix}schema",
+        metadata,
+        Column("version", Integer, primary_key=True, autoincrement=False),
+        Column("description", String(200), nullable=False),
+        Column("applied_at", DateTime(timezone=True), nullable=False),
+    )
+    runs = Table(
+        f"{prefix}runs",
+        metadata,
+        Column("task_id", String(TASK_ID_LENGTH), primary_key=True),
+        Column("task_name", String(255), nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("attempts", Integer, nullable=False, default=1),
+        Column("result", Text, nullable=True),
+        Column("serializer", String(100), nullable=True),
+        Column("error", Text, nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+        Column("updated_at", DateTime(timezone=True), nullable=False),
+        Column("finished_at", DateTime(timezone=True), nullable=True),
+    )
+    steps = Table(
+        f"{prefix}steps",
+        metadata,
+        Column(
+            "id",
+            BigInteger().with_variant(Integer, "sqlite"),
+            primary_key=True,
+            autoincrement=True,
+        ),
+        Column(
+            "task_id",
+            String(TASK_ID_LENGTH),
+            ForeignKey(f"{prefix}runs.task_id", ondelete="CASCADE"),
+            nullable=False,
+        ),
+        Column("step_key", String(STEP_KEY_LENGTH), nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("output", Text, nullable=True),
+        Column("serializer", String(100), nullable=True),
+        Column("error", Text, nullable=True),
+        Column("started_at", DateTime(timezone=True), nullable=False),
+        Column("completed_at", DateTime(timezone=True), nullable=True),
+        # The last line of defence: one row per step of a run, whatever happens above.
+        UniqueConstraint("task_id", "step_key", name=f"{prefix}steps_task_step_key"),
+    )
+    Index(f"{prefix}runs_status_updated", runs.c.status, runs.c.updated_at)
+    return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps)
+
+
+def _v1_initial(conn: Connection, tables: Tables) -> None:
+    tables.runs.create(conn, checkfirst=True)
+    tables.steps.create(conn, checkfirst=True)
+    for index in tables.runs.indexes:
+        index.create(conn, checkfirst=True)
+
+
+# (version, description, apply). Append only.
+MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
+    (1, "runs and steps", _v1_initial),
+)
+LATEST_VERSION = MIGRATIONS[-1][0]
+
+
+def _lock_key(prefix: str) -> int:
+    # A stable signed 64-bit key per prefix for pg_advisory_lock.
+    return zlib.crc32(f"celery-duraflow:{prefix}".encode()) - 2**31
+
+
+def current_version(conn: Connection, tables: Tables) -> int:
+    """The highest applied version, 0 when the schema table does not exist yet."""
+    if not conn.dialect.has_table(conn, tables.schema_version.name):
+        return 0
+    version = conn.execute(select(func.max(tables.schema_version.c.version))).scalar()
+    return int(version or 0)
+
+
+def migrate(engine: Engine, tables: Tables, prefix: str) -> list[int]:
+    """Apply every pending migration; return the versions this call applied."""
+    applied: list[int] = []
+    postgres = engine.dialect.name == "postgresql"
+    with engine.connect() as conn:
+        if postgres:
+            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _lock_key(prefix)})
+            conn.commit()
+        try:
+            for version, description, apply in MIGRATIONS:
+                # On SQLite the store's engine begins with BEGIN IMMEDIATE, which takes the
+                # write lock at once: two processes cannot both find a version missing.
+                with conn.begin():
+                    tables.schema_version.create(conn, checkfirst=True)
+                    if current_version(conn, tables) >= version:
+                        continue
+                    apply(conn, tables)
+                    conn.execute(
+                        tables.schema_version.insert().values(
+                            version=version,
+                            description=description,
+                            applied_at=datetime.now(UTC),
+                        )
+                    )
+                applied.append(version)
+        finally:
+            if postgres:
+                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _lock_key(prefix)})
+                conn.commit()
+    return applied

@@ -1,0 +1,289 @@
+"""``step()``: a named, durable unit of work inside a durable task."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar
+
+from ._context import RunContext, current_run, describe
+from ._rewrite import GUARD_NAME
+from ._store import STEP_COMPLETED, STEP_RUNNING, StepRecord
+from .errors import (
+    InvalidStepName,
+    NotInDurableTask,
+    StepConflict,
+    StepNotPrepared,
+    StepOutputNotSerializable,
+    StoreUnavailable,
+)
+
+logger = logging.getLogger("celery_duraflow.step")
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+MAX_NAME_LENGTH = 200
+# Namespace for idempotency keys: uuid5(namespace, "<task id>/<step key>").
+_IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d4c1e-2b7a-5d3e-9c4f-0a8b7e6d5c4b")
+
+
+def _check_name(name: object, ctx: RunContext | None) -> str:
+    where = f" in task {ctx.task_id}" if ctx is not None else ""
+    if not isinstance(name, str):
+        raise InvalidStepName(
+            f"step name must be a string, got {describe(name)}{where}. Give each step a short, "
+            "stable name such as 'book-flight'.",
+            task_id=ctx.task_id if ctx else None,
+        )
+    problem = None
+    if not name.strip():
+        problem = "is empty"
+    elif len(name) > MAX_NAME_LENGTH:
+        problem = f"is longer than {MAX_NAME_LENGTH} characters"
+    elif "/" in name or "#" in name:
+        problem = "contains '/' or '#', which the step key uses for nesting and repetition"
+    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        problem = "contains control characters"
+    if problem:
+        raise InvalidStepName(
+            f"step name {name!r}{where} {problem}. Give each step a short, stable name such as "
+            "'book-flight'; repeated names are numbered for you ('book-flight#2').",
+            task_id=ctx.task_id if ctx else None,
+            step_key=name,
+        )
+    return name
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
+    return text if len(text) <= 4000 else text[:3997] + "..."
+
+
+class StepContext:
+    """One step of a durable run; see :func:`step`.
+
+    Attributes:
+        name: the name given to :func:`step`.
+        key: the key the step is stored under: the name, ``name#2`` for its
+            second occurrence, and ``parent/name`` when nested in another step.
+        result: the step's output. Set it inside the ``with`` body; on a
+            replay it holds the stored output and the body does not run.
+        cached: True when ``result`` came from the store.
+        in_doubt: True when an earlier attempt started this step and never
+            recorded how it ended (its process died inside the body).
+        attempt: how many times the body has been started, this time included.
+        idempotency_key: a UUID string that is the same on every attempt of
+            this step of this run. Pass it to payment and booking APIs.
+    """
+
+    __slots__ = (
+        "_claim",
+        "_ctx",
+        "_entered",
+        "_should_run",
+        "attempt",
+        "cached",
+        "in_doubt",
+        "key",
+        "name",
+        "result",
+    )
+
+    def __init__(self, name: str) -> None:
+        ctx = current_run.get()
+        self.name = _check_name(name, ctx)
+        if ctx is None:
+            raise NotInDurableTask(
+                f"step {name!r} was reached outside a durable task run, so its output would not "
+                "be recorded. Call it from a task with base=DurableTask that runs through Celery "
+                "(.delay(), .apply_async(), or .apply() for a local call), not by calling the "
+                "task function directly.",
+                step_key=name,
+            )
+        self._ctx: RunContext = ctx
+        self.key: str = ctx.next_key(name)
+        self.result: Any = None
+        self.cached = False
+        self.in_doubt = False
+        self.attempt = 0
+        self._claim: StepRecord | None = None
+        self._entered = False
+        self._should_run = True
+
+    def __repr__(self) -> str:
+        state = "cached" if self.cached else ("running" if self._entered else "new")
+        return f"<StepContext {self.key!r} of task {self._ctx.task_id} {state}>"
+
+    @property
+    def task_id(self) -> str:
+        """The Celery task id of the run this step belongs to."""
+        return self._ctx.task_id
+
+    @property
+    def idempotency_key(self) -> str:
+        return str(uuid.uuid5(_IDEMPOTENCY_NAMESPACE, f"{self._ctx.task_id}/{self.key}"))
+
+    # -- the two ways in ------------------------------------------------------------------
+
+    def __enter__(self) -> StepContext:
+        caller = sys._getframe(1).f_code
+        if GUARD_NAME not in caller.co_freevars:
+            raise StepNotPrepared(
+                f"`with step({self.name!r})` in task {self._ctx.task_id} is in "
+                f"{caller.co_qualname}() ({caller.co_filename}:{sys._getframe(1).f_lineno}), "
+                "which was not prepared, so its body could not be skipped on a replay. Put the "
+                "block in the task function itself, decorate the helper with @durable, or use "
+                f"step({self.name!r}).run(fn, ...).",
+                task_id=self._ctx.task_id,
+                step_key=self.key,
+            )
+        self._begin()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._end(exc)
+
+    def run(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        """Run ``fn(*args, **kwargs)`` as this step and return its (stored) result.
+
+        Needs no preparation: on a replay ``fn`` is not called at all.
+        """
+        self._begin()
+        if not self._should_run:
+            self._end(None)
+            result: R = self.result
+            return result
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException as exc:
+            self._end(exc)
+            raise
+        self.result = value
+        self._end(None)
+        result = self.result
+        return result
+
+    # -- mechanics ------------------------------------------------------------------------
+
+    def _begin(self) -> None:
+        if self._entered:
+            raise InvalidStepName(
+                f"step {self.key!r} of task {self._ctx.task_id} was entered twice. Call step() "
+                "again for each step; the same name reached again is numbered for you.",
+                task_id=self._ctx.task_id,
+                step_key=self.key,
+            )
+        self._entered = True
+        ctx = self._ctx
+        prior = ctx.recorded.get(self.key)
+        if prior is not None and prior.status == STEP_COMPLETED:
+            self._use_stored(prior)
+        else:
+            self.in_doubt = prior is not None and prior.status == STEP_RUNNING
+            claim = ctx.store.claim_step(ctx.task_id, self.key, prior)
+            if claim is None:
+                # Another attempt claimed it between our load and our claim: read what it did.
+                latest = ctx.store.get_step(ctx.task_id, self.key)
+                if latest is None or latest.status != STEP_COMPLETED:
+                    raise StepConflict(
+                        f"step {self.key!r} of task {ctx.task_id} is being run by another "
+                        "attempt of the same task id. This attempt stops without running it; "
+                        "retry the task later.",
+                        task_id=ctx.task_id,
+                        step_key=self.key,
+                    )
+                self._use_stored(latest)
+            else:
+                self._claim = claim
+                self.attempt = claim.attempts
+                if self.in_doubt:
+                    logger.warning(
+                        "step %r of task %s is in doubt: an earlier attempt started it and "
+                        "never recorded its end; running it again (attempt %d) with the same "
+                        "idempotency key", self.key, ctx.task_id, self.attempt)
+                else:
+                    logger.debug("step %r of task %s: running (attempt %d)",
+                                 self.key, ctx.task_id, self.attempt)
+        ctx.stack.append(self)
+
+    def _use_stored(self, record: StepRecord) -> None:
+        ctx = self._ctx
+        self.result = _decode(ctx, record)
+        self.cached = True
+        self.attempt = record.attempts
+        self._should_run = False
+        logger.debug("step %r of task %s: completed earlier, body skipped", self.key, ctx.task_id)
+
+    def _end(self, exc: BaseException | None) -> None:
+        ctx = self._ctx
+        if ctx.stack and ctx.stack[-1] is self:
+            ctx.stack.pop()
+        elif self in ctx.stack:  # pragma: no cover - a generator left a step open
+            ctx.stack.remove(self)
+        claim = self._claim
+        if claim is None:
+            return  # cached: nothing to record
+        self._claim = None
+        if exc is not None:
+            try:
+                ctx.store.fail_step(claim, _error_text(exc))
+            except StoreUnavailable:
+                # Keep the user's exception; the step stays "running" and is in doubt next time.
+                logger.warning("could not record the failure of step %r of task %s",
+                               self.key, ctx.task_id, exc_info=True)
+            logger.debug("step %r of task %s: failed (%s)", self.key, ctx.task_id,
+                         type(exc).__name__)
+            return
+        try:
+            data = ctx.serializer.dumps(self.result)
+            value = ctx.serializer.loads(data)
+        except Exception as error:
+            ctx.store.fail_step(claim, f"output not serializable: {_error_text(error)}")
+            raise StepOutputNotSerializable(
+                f"the output of step {self.key!r} in task {ctx.task_id} cannot be stored with "
+                f"the {ctx.serializer_name!r} serializer ({error}); the output was "
+                f"{describe(self.result)}. Return plain data (dicts, lists, strings, numbers, "
+                "datetimes, Decimals, UUIDs, bytes) or configure duraflow_serializer.",
+                task_id=ctx.task_id,
+                step_key=self.key,
+            ) from error
+        if not ctx.store.complete_step(claim, data, ctx.serializer_name):
+            raise StepConflict(
+                f"step {self.key!r} of task {ctx.task_id} finished, but another attempt took it "
+                "over meanwhile, so this attempt's output was not recorded. Retry the task; it "
+                "will use the recorded output.",
+                task_id=ctx.task_id,
+                step_key=self.key,
+            )
+        # Hand back what a replay will see, so the first attempt and replays agree.
+        self.result = value
+        logger.debug("step %r of task %s: completed", self.key, ctx.task_id)
+
+
+def _decode(ctx: RunContext, record: StepRecord) -> Any:
+    from ._serialization import decode
+
+    return decode(record.output, record.serializer, ctx.serializer_name,
+                  task_id=ctx.task_id, step_key=record.key)
+
+
+def step(name: str) -> StepContext:
+    """Declare a durable step of the running task.
+
+    Use it as a ``with`` block (the body is skipped when the step completed in
+    an earlier attempt, and ``s.result`` holds the stored output)::
+
+        with step("book-flight") as s:
+            s.result = airline.book(flight, idempotency_key=s.idempotency_key)
+        booking = s.result
+
+    or in its functional form, which works in any code::
+
+        booking = step("book-flight").run(airline.book, flight)
+    """
+    return StepContext(name)

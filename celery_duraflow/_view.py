@@ -1,0 +1,85 @@
+"""Read-only views of recorded runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from ._config import Config, config_for_app
+from ._serialization import decode
+from ._store import STEP_COMPLETED, RunRecord, StepRecord, store_for
+
+
+@dataclass(frozen=True)
+class StepView:
+    """One recorded step of a run."""
+
+    key: str
+    status: str
+    attempts: int
+    started_at: datetime
+    completed_at: datetime | None
+    result: Any
+    error: str | None
+
+
+@dataclass(frozen=True)
+class RunView:
+    """A run as the store knows it, with its steps in the order they first started."""
+
+    task_id: str
+    task_name: str
+    status: str
+    attempts: int
+    result: Any
+    error: str | None
+    created_at: datetime
+    updated_at: datetime
+    finished_at: datetime | None
+    steps: tuple[StepView, ...]
+
+    def step(self, key: str) -> StepView:
+        """The step stored under ``key``; ``KeyError`` if there is none."""
+        for view in self.steps:
+            if view.key == key:
+                return view
+        raise KeyError(f"run {self.task_id} has no step {key!r}")
+
+
+def _step_view(record: StepRecord, config: Config) -> StepView:
+    result = None
+    if record.status == STEP_COMPLETED:
+        result = decode(record.output, record.serializer, config.serializer,
+                        task_id=record.task_id, step_key=record.key)
+    return StepView(key=record.key, status=record.status, attempts=record.attempts,
+                    started_at=record.started_at, completed_at=record.completed_at,
+                    result=result, error=record.error)
+
+
+def _run_view(run: RunRecord, steps: list[StepRecord], config: Config) -> RunView:
+    result = decode(run.result, run.serializer, config.serializer, task_id=run.task_id,
+                    step_key=None)
+    return RunView(task_id=run.task_id, task_name=run.task_name, status=run.status,
+                   attempts=run.attempts, result=result, error=run.error,
+                   created_at=run.created_at, updated_at=run.updated_at,
+                   finished_at=run.finished_at,
+                   steps=tuple(_step_view(s, config) for s in steps))
+
+
+def get_run(task_id: str, *, app: Any = None) -> RunView | None:
+    """The recorded state of the run with this Celery task id, or ``None``.
+
+    ``app`` defaults to Celery's current app; its ``duraflow_*`` settings
+    say which database to read.
+    """
+    if app is None:
+        from celery import current_app
+
+        app = current_app
+    config = config_for_app(app)
+    store = store_for(config)
+    run = store.get_run(task_id)
+    if run is None:
+        return None
+    return _run_view(run, list(store.load_steps(task_id).values()), config)

@@ -1,0 +1,88 @@
+"""Exceptions raised by celery-duraflow.
+
+Every exception derives from :class:`DuraflowError`, carries the ``task_id``
+and ``step_key`` it concerns (``None`` where there is none) and survives a
+round trip through :mod:`pickle`, so a Celery result backend can hand it back
+to the caller intact::
+
+    DuraflowError
+    ├── ConfigurationError        a duraflow_* setting or the database URL is wrong
+    ├── InvalidStepName           step() got an empty, non-string or malformed name
+    ├── NotInDurableTask          step() was used outside a run of a DurableTask
+    ├── StepNotPrepared           `with step(...)` in code that was not prepared
+    ├── StepOutputNotSerializable a step output or task result the serializer refuses
+    ├── StepConflict              another attempt of the same run owns the step
+    └── StoreUnavailable          the database could not be reached
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "ConfigurationError",
+    "DuraflowError",
+    "InvalidStepName",
+    "NotInDurableTask",
+    "StepConflict",
+    "StepNotPrepared",
+    "StepOutputNotSerializable",
+    "StoreUnavailable",
+]
+
+
+def _rebuild(cls: type[DuraflowError], message: str, task_id: str | None,
+             step_key: str | None) -> DuraflowError:
+    return cls(message, task_id=task_id, step_key=step_key)
+
+
+class DuraflowError(Exception):
+    """Base class of every celery-duraflow error."""
+
+    def __init__(self, message: str, *, task_id: str | None = None,
+                 step_key: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.task_id = task_id
+        self.step_key = step_key
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.message, self.task_id, self.step_key))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigurationError(DuraflowError, ValueError):
+    """A ``duraflow_*`` setting has a value that cannot be used."""
+
+
+class InvalidStepName(DuraflowError, ValueError):
+    """``step()`` was given a name that cannot be used as a step key."""
+
+
+class NotInDurableTask(DuraflowError, RuntimeError):
+    """A step was reached while no durable run was active in this context."""
+
+
+class StepNotPrepared(DuraflowError, RuntimeError):
+    """``with step(...)`` was entered from a function that was not prepared.
+
+    Task bodies of :class:`~celery_duraflow.DurableTask` are prepared
+    automatically; helper functions need :func:`~celery_duraflow.durable`.
+    """
+
+
+class StepOutputNotSerializable(DuraflowError, TypeError):
+    """A step output (or a task's return value) cannot be stored."""
+
+
+class StepConflict(DuraflowError):
+    """Another attempt of the same run is executing this step right now."""
+
+
+class StoreUnavailable(DuraflowError, ConnectionError):
+    """The step store could not be reached; nothing was recorded or run.
+
+    It is safe to retry: put it in ``autoretry_for``.
+    """
