@@ -430,6 +430,7 @@ def store_for(config: Config) -> Store:
     key = (
         config.database_url.render_as_string(hide_password=False),
         config.table_prefix,
+        config.auto_migrate,
         tuple(sorted((k, repr(v)) for k, v in config.engine_options.items())),
     )
     store = _stores.get(key)
@@ -442,3 +443,12 @@ def store_for(config: Config) -> Store:
 def all_stores() -> list[Store]:
     with _stores_lock:
         return list(_stores.values())
+
+
+def close_all_stores() -> None:
+    """Close every store's connections and forget them (tests, shutdown)."""
+    with _stores_lock:
+        stores = list(_stores.values())
+        _stores.clear()
+    for store in stores:
+        store.close()

@@ -1,0 +1,158 @@
+"""Shared fixtures: real databases, real brokers, real workers.
+
+Services come from the environment:
+
+* ``DURAFLOW_TEST_DATABASE_URL``: PostgreSQL (default: the local ``test`` database);
+* ``DURAFLOW_TEST_BROKER_URL``: Redis (default: database 9 on the local server).
+
+A test that needs one of them is skipped with the reason when it is
+unreachable, unless ``DURAFLOW_REQUIRE_SERVICES=1`` (as in CI), where that is a
+failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from celery import Celery
+from celery.contrib.testing.worker import start_worker
+from sqlalchemy import create_engine, text
+
+from celery_duraflow._schema import build_tables
+from celery_duraflow._store import close_all_stores
+
+pytest_plugins = ("celery.contrib.pytest",)
+
+DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/9"
+
+REQUIRE_SERVICES = os.environ.get("DURAFLOW_REQUIRE_SERVICES") == "1"
+
+
+def _unavailable(what: str, url: str, exc: BaseException) -> None:
+    message = f"{what} at {url} is unreachable ({type(exc).__name__}: {exc})"
+    if REQUIRE_SERVICES:
+        pytest.fail(f"{message}, and DURAFLOW_REQUIRE_SERVICES=1", pytrace=False)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> str:
+    """URL of a reachable PostgreSQL server."""
+    url = os.environ.get("DURAFLOW_TEST_DATABASE_URL", DEFAULT_PG_URL)
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        _unavailable("PostgreSQL", url, exc)
+    finally:
+        engine.dispose()
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """URL of a reachable Redis server."""
+    import redis
+
+    url = os.environ.get("DURAFLOW_TEST_BROKER_URL", DEFAULT_REDIS_URL)
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=2)
+        client.ping()
+        client.close()
+    except Exception as exc:
+        _unavailable("Redis", url, exc)
+    return url
+
+
+def drop_tables(url: str, prefix: str) -> None:
+    engine = create_engine(url)
+    try:
+        tables = build_tables(prefix)
+        with engine.begin() as conn:
+            tables.metadata.drop_all(conn)
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def table_prefix() -> str:
+    """A table prefix of this test's own, so tests never see each other's rows."""
+    return f"t{uuid.uuid4().hex[:10]}_"
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'duraflow.sqlite3'}"
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, table_prefix: str,
+                 tmp_path: Path) -> Iterator[str]:
+    """Each test that uses it runs once on SQLite and once on PostgreSQL."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'duraflow.sqlite3'}"
+        close_all_stores()
+        return
+    url: str = request.getfixturevalue("pg_url")
+    yield url
+    close_all_stores()
+    drop_tables(url, table_prefix)
+
+
+def app_factory(database_url: str, table_prefix: str) -> Callable[..., Celery]:
+    """``factory(eager=True, broker="memory://", **conf)`` builds a configured app."""
+
+    def factory(*, eager: bool = True, broker: str = "memory://", **conf: Any) -> Celery:
+        app = Celery(f"test-{uuid.uuid4().hex[:6]}", broker=broker, set_as_current=False)
+        app.conf.update(
+            result_backend="cache+memory://" if broker == "memory://" else broker,
+            task_always_eager=eager,
+            task_eager_propagates=False,
+            duraflow_database_url=database_url,
+            duraflow_table_prefix=table_prefix,
+            broker_connection_retry_on_startup=True,
+            # The in-memory transport polls; the default second per poll slows every retry.
+            broker_transport_options={"polling_interval": 0.05},
+            worker_hijack_root_logger=False,
+        )
+        app.conf.update(conf)
+        # Celery shares every @app.task with all apps created later; tests define many
+        # tasks under the same names in separate apps, so keep each app's tasks its own.
+        app.task = functools.partial(app.task, shared=False)  # type: ignore[method-assign]
+        return app
+
+    return factory
+
+
+@pytest.fixture
+def make_app(database_url: str, table_prefix: str) -> Callable[..., Celery]:
+    """Build a Celery app on this test's database (SQLite, then PostgreSQL) and tables.
+
+    ``make_app(eager=True)`` runs tasks in the caller (``task_always_eager``);
+    ``eager=False`` leaves them to a worker (see :func:`run_worker`).
+    """
+    return app_factory(database_url, table_prefix)
+
+
+@pytest.fixture
+def sqlite_app(sqlite_url: str, table_prefix: str) -> Iterator[Celery]:
+    """An eager app on a SQLite file, for tests about code rather than storage."""
+    yield app_factory(sqlite_url, table_prefix)()
+    close_all_stores()
+
+
+@contextmanager
+def run_worker(app: Celery, *, pool: str = "solo", concurrency: int = 1) -> Iterator[Any]:
+    """A real Celery worker consuming from ``app``'s broker in this process."""
+    with start_worker(app, pool=pool, concurrency=concurrency, perform_ping_check=False,
+                      loglevel="WARNING", shutdown_timeout=10.0) as worker:
+        yield worker

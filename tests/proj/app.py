@@ -1,0 +1,62 @@
+"""The Celery app of the test project, configured from environment variables.
+
+* ``PROJ_BROKER_URL``: the broker (Redis); required.
+* ``PROJ_RESULT_BACKEND``: the result backend; defaults to the broker URL.
+* ``PROJ_DATABASE_URL``: the PostgreSQL (or SQLite) database that holds both the
+  duraflow step store and the project's own ledger tables; required.
+* ``PROJ_TABLE_PREFIX``: the duraflow table prefix, which the ledger tables
+  share (``<prefix>charges``, ``<prefix>notify_outages``); default ``proj_``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+from celery.signals import worker_init, worker_process_init
+
+
+def _required(name: str) -> str:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        raise RuntimeError(f"tests.proj needs the environment variable {name}")
+    return value
+
+
+BROKER_URL = _required("PROJ_BROKER_URL")
+RESULT_BACKEND = os.environ.get("PROJ_RESULT_BACKEND") or BROKER_URL
+DATABASE_URL = _required("PROJ_DATABASE_URL")
+TABLE_PREFIX = os.environ.get("PROJ_TABLE_PREFIX") or "proj_"
+
+app = Celery("proj", broker=BROKER_URL, backend=RESULT_BACKEND,
+             include=[f"{__package__}.tasks"])
+app.conf.update(
+    duraflow_database_url=DATABASE_URL,
+    duraflow_table_prefix=TABLE_PREFIX,
+    # A message is acknowledged only once its attempt has ended, so a worker that
+    # dies mid-task leaves it to be delivered again.
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    result_expires=3600,
+)
+
+
+@worker_init.connect
+def _create_ledger_tables(**_kwargs: object) -> None:
+    # The main worker process creates the ledger once, before the pool forks.
+    from .ledger import create_tables
+
+    create_tables()
+
+
+@worker_process_init.connect
+def _forget_inherited_engine(**_kwargs: object) -> None:
+    # A forked pool process must not reuse the parent's database sockets.
+    from .ledger import reset_engine
+
+    reset_engine()

@@ -1,0 +1,240 @@
+"""Durable steps under a real ``celery worker`` process with a prefork pool.
+
+These tests start ``python -m celery -A tests.proj worker`` as a subprocess,
+send it runs of ``proj.book_trip`` through Redis, and check the result in
+PostgreSQL: the duraflow step rows and the project's own charge ledger.
+Each test has its own queue, worker node name and table prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from celery import Celery
+from celery.result import AsyncResult
+from kombu import Queue
+from sqlalchemy import create_engine, text
+
+from celery_duraflow import get_run
+from celery_duraflow._store import close_all_stores
+from tests.conftest import drop_tables
+
+pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.subprocess]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TASK_NAME = "proj.book_trip"
+READY_TIMEOUT = 60.0
+RESULT_TIMEOUT = 60.0
+STOP_TIMEOUT = 15.0
+
+
+@dataclass
+class Worker:
+    """A running worker subprocess and what the test needs to talk to it."""
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    queue: str
+    client: Celery
+    database_url: str
+    prefix: str
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text_ = self.log_path.read_text(errors="replace")
+        except OSError as exc:
+            return f"(no worker log: {exc})"
+        return "\n".join(text_.splitlines()[-lines:])
+
+    def submit(self, user_id: str, query: str, *, task_id: str | None = None) -> AsyncResult:
+        return self.client.signature(TASK_NAME, args=(user_id, query)).apply_async(
+            queue=self.queue, task_id=task_id
+        )
+
+    def charges_per_run(self) -> dict[str, int]:
+        engine = create_engine(self.database_url)
+        try:
+            with engine.connect() as conn:
+                rows = conn.execute(text(
+                    f'SELECT task_id, count(*) FROM "{self.prefix}charges" GROUP BY task_id'
+                )).all()
+        finally:
+            engine.dispose()
+        return {task_id: count for task_id, count in rows}
+
+
+def _wait_until_ready(process: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(
+                f"celery worker exited with {process.returncode} before it was ready:\n"
+                + log_path.read_text(errors="replace")[-6000:]
+            )
+        if log_path.exists() and " ready." in log_path.read_text(errors="replace"):
+            return
+        time.sleep(0.2)
+    raise AssertionError(
+        f"celery worker not ready after {READY_TIMEOUT:.0f}s:\n"
+        + log_path.read_text(errors="replace")[-6000:]
+    )
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    # SIGTERM is Celery's warm shutdown: finish the running tasks, then exit.
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=STOP_TIMEOUT)
+    else:
+        # Reap pool processes that might have outlived their parent.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def _purge(client: Celery, queue: str) -> None:
+    with client.connection_for_write() as conn:
+        Queue(queue, routing_key=queue)(conn.default_channel).purge()
+        conn.default_channel.client.delete(f"_kombu.binding.{queue}")
+
+
+def _drop_ledger(database_url: str, prefix: str) -> None:
+    engine = create_engine(database_url)
+    try:
+        with engine.begin() as conn:
+            for table in ("charges", "notify_outages"):
+                conn.execute(text(f'DROP TABLE IF EXISTS "{prefix}{table}"'))
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture
+def worker(pg_url: str, redis_url: str, table_prefix: str, tmp_path: Path) -> Iterator[Worker]:
+    """A prefork ``celery worker`` on tests.proj, with its own queue and tables."""
+    queue = f"duraflow-test-{uuid.uuid4().hex[:12]}"
+    log_path = tmp_path / "worker.log"
+    env = dict(os.environ)
+    env.update(
+        PROJ_BROKER_URL=redis_url,
+        PROJ_RESULT_BACKEND=redis_url,
+        PROJ_DATABASE_URL=pg_url,
+        PROJ_TABLE_PREFIX=table_prefix,
+        PYTHONUNBUFFERED="1",
+    )
+    command = [
+        sys.executable, "-m", "celery", "-A", "tests.proj", "worker",
+        "--pool", "prefork", "--concurrency", "2", "--loglevel", "INFO",
+        "-Q", queue, "-n", f"{queue}@%h",
+        "--without-heartbeat", "--without-gossip", "--without-mingle",
+    ]
+    client = Celery("proj-client", broker=redis_url, backend=redis_url, set_as_current=False)
+    client.conf.update(
+        duraflow_database_url=pg_url,
+        duraflow_table_prefix=table_prefix,
+        broker_connection_retry_on_startup=True,
+    )
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        _wait_until_ready(process, log_path)
+        yield Worker(process=process, log_path=log_path, queue=queue, client=client,
+                     database_url=pg_url, prefix=table_prefix)
+    finally:
+        _stop(process)
+        try:
+            _purge(client, queue)
+        finally:
+            client.close()
+            close_all_stores()
+            drop_tables(pg_url, table_prefix)
+            _drop_ledger(pg_url, table_prefix)
+
+
+def _wait_all(worker: Worker, results: list[AsyncResult]) -> list[object]:
+    values = []
+    for result in results:
+        try:
+            values.append(result.get(timeout=RESULT_TIMEOUT, propagate=True))
+        except Exception as exc:
+            pytest.fail(
+                f"run {result.id} did not succeed ({type(exc).__name__}: {exc}).\n"
+                f"worker log tail:\n{worker.log_tail()}",
+                pytrace=False,
+            )
+    return values
+
+
+def test_prefork_retries_charge_each_run_exactly_once(worker: Worker) -> None:
+    """Under a prefork worker, a retry after a failed notify never charges the card again."""
+    runs = 10
+    results = [worker.submit(f"user-{n}", f"LIS-JFK-{n}") for n in range(runs)]
+    values = _wait_all(worker, results)
+
+    charges = worker.charges_per_run()
+    problems = []
+    for result, value in zip(results, values, strict=True):
+        run = get_run(result.id, app=worker.client)
+        if run is None:
+            problems.append(f"{result.id}: no run recorded")
+            continue
+        steps = {s.key: s for s in run.steps}
+        attempts = {key: s.attempts for key, s in steps.items()}
+        if run.status != "succeeded":
+            problems.append(f"{result.id}: run status {run.status!r} ({run.error})")
+        if list(steps) != ["search", "pick", "book", "notify"]:
+            problems.append(f"{result.id}: steps recorded {list(steps)}")
+        if attempts.get("book") != 1 or attempts.get("notify") != 2:
+            problems.append(f"{result.id}: step attempts {attempts}")
+        statuses = {key: s.status for key, s in steps.items()}
+        if any(status != "completed" for status in statuses.values()):
+            problems.append(f"{result.id}: step statuses {statuses}")
+        if charges.get(result.id) != 1:
+            problems.append(f"{result.id}: {charges.get(result.id, 0)} charges in the ledger")
+        if not isinstance(value, dict) or value["booking"] != steps["book"].result:
+            problems.append(f"{result.id}: task returned {value!r}")
+        result.forget()
+    assert len(charges) == runs, f"ledger has charges for {len(charges)} runs, expected {runs}"
+    assert not problems, "\n".join(problems) + f"\nworker log tail:\n{worker.log_tail()}"
+
+
+def test_redelivered_succeeded_run_returns_recorded_result(worker: Worker) -> None:
+    """A task id sent again after it succeeded gets the stored result and charges nothing."""
+    task_id = f"trip-{uuid.uuid4()}"
+    first = worker.submit("user-again", "OPO-GRU", task_id=task_id)
+    [first_value] = _wait_all(worker, [first])
+    before = get_run(task_id, app=worker.client)
+    assert before is not None and before.status == "succeeded", worker.log_tail()
+
+    # Drop the stored Celery result so that waiting below sees the second delivery's own.
+    first.forget()
+    again = worker.submit("user-again", "OPO-GRU", task_id=task_id)
+    [second_value] = _wait_all(worker, [again])
+    again.forget()
+
+    after = get_run(task_id, app=worker.client)
+    assert after is not None
+    log = worker.log_tail()
+    assert second_value == first_value, log
+    assert worker.charges_per_run() == {task_id: 1}, log
+    assert after.status == "succeeded", log
+    assert after.attempts == before.attempts, log
+    assert [(s.key, s.attempts) for s in after.steps] == [
+        ("search", 1), ("pick", 1), ("book", 1), ("notify", 2)
+    ], log
