@@ -70,11 +70,10 @@ def parse_database_url(raw: Any, *, key: str = "duraflow_database_url") -> URL:
             "'postgresql+psycopg://user:password@host:5432/dbname'."
         )
     backend = url.get_backend_name()
-    if backend in ("postgresql", "postgres"):
-        if url.get_driver_name() in ("psycopg2", "") or url.drivername in ("postgres",):
-            # psycopg 3 is the only Postgres driver we depend on.
-            url = url.set(drivername="postgresql+psycopg")
-    elif backend != "sqlite":
+    if url.drivername in ("postgresql", "postgres"):
+        # No driver named: psycopg 3, the only Postgres driver we depend on.
+        url = url.set(drivername="postgresql+psycopg")
+    elif backend not in ("postgresql", "sqlite"):
         raise ConfigurationError(
             f"{key} uses the {backend!r} database, which celery-duraflow does not support. "
             "Use PostgreSQL ('postgresql+psycopg://...') or SQLite ('sqlite:///file.sqlite3')."
@@ -110,8 +109,10 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
     """Build a :class:`Config` from a Celery ``app.conf`` (or any mapping)."""
     env = os.environ if environ is None else environ
 
-    raw_url = _setting(conf, "database_url") or env.get("DURAFLOW_DATABASE_URL")
-    url = parse_database_url(raw_url or DEFAULT_DATABASE_URL)
+    raw_url = _setting(conf, "database_url")
+    if raw_url is None:
+        raw_url = env.get("DURAFLOW_DATABASE_URL", DEFAULT_DATABASE_URL)
+    url = parse_database_url(raw_url)
 
     prefix = _setting(conf, "table_prefix")
     if prefix is None:

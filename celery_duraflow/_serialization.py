@@ -74,7 +74,14 @@ def get_serializer(name: str) -> Serializer:
             f"duraflow_serializer = {name!r} could not be imported ({exc}). Check the dotted path."
         ) from None
     if isinstance(obj, type):
-        obj = obj()
+        try:
+            obj = obj()
+        except Exception as exc:
+            raise ConfigurationError(
+                f"duraflow_serializer = {name!r} is a class that cannot be built without "
+                f"arguments ({exc}). Point it at an instance or a class with a no-argument "
+                "constructor."
+            ) from None
     if not (callable(getattr(obj, "dumps", None)) and callable(getattr(obj, "loads", None))):
         raise ConfigurationError(
             f"duraflow_serializer = {name!r} has no dumps()/loads(): a serializer must provide "

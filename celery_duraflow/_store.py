@@ -219,11 +219,11 @@ class Store:
                 self._engine_pid = None
             self._schema_ready = False
 
-    def ensure_schema(self) -> None:
+    def ensure_schema(self, task_id: str | None = None, step_key: str | None = None) -> None:
         """Create or upgrade the schema once per process (``duraflow_auto_migrate``)."""
         if self._schema_ready:
             return
-        with self._unavailable("preparing the schema"):
+        with self._unavailable("preparing the schema", task_id, step_key):
             if self.config.auto_migrate:
                 migrate(self.engine, self.tables, self.config.table_prefix)
             else:
@@ -267,7 +267,7 @@ class Store:
     def _write(self, action: str, task_id: str | None = None,
                step_key: str | None = None) -> Iterator[Connection]:
         """A connection for one write that is durable when the block ends."""
-        self.ensure_schema()
+        self.ensure_schema(task_id, step_key)
         with self._unavailable(action, task_id, step_key):
             if self.dialect == "postgresql":
                 # One statement, committed by the server on its own: no BEGIN, no COMMIT.
@@ -280,7 +280,7 @@ class Store:
     @contextmanager
     def _read(self, action: str, task_id: str | None = None,
               step_key: str | None = None) -> Iterator[Connection]:
-        self.ensure_schema()
+        self.ensure_schema(task_id, step_key)
         with self._unavailable(action, task_id, step_key), self.engine.connect() as conn:
             if self.dialect == "postgresql":
                 conn = conn.execution_options(isolation_level="AUTOCOMMIT")

@@ -29,7 +29,7 @@ def test_one_line_body_is_skipped_on_retry(sqlite_app: Celery) -> None:
 
     @sqlite_app.task(base=DurableTask, autoretry_for=(Flaky,), max_retries=3)
     def task() -> Any:
-        with step("charge") as s: calls["charge"] += 1; s.result = "charged"  # noqa: E702
+        with step("charge") as s: calls["charge"] += 1; s.result = "charged"  # noqa: E701, E702
         with step("notify") as s:
             fail_first(calls, "notify")
         return s.result

@@ -109,7 +109,9 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 def _purge(client: Celery, queue: str) -> None:
     with client.connection_for_write() as conn:
         Queue(queue, routing_key=queue)(conn.default_channel).purge()
-        conn.default_channel.client.delete(f"_kombu.binding.{queue}")
+        # The Redis transport keeps the queue's bindings in sets of their own.
+        conn.default_channel.client.delete(f"_kombu.binding.{queue}",
+                                           f"_kombu.binding_permanent.{queue}")
 
 
 def _drop_ledger(database_url: str, prefix: str) -> None:

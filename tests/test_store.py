@@ -1,0 +1,227 @@
+"""The store: schema, migrations under concurrency, SQL per step, forks, outages."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import create_engine, event, func, inspect, select
+from sqlalchemy.exc import IntegrityError
+
+from celery_duraflow import DurableTask, StoreUnavailable, get_run, step
+from celery_duraflow._config import config_for_app, load_config
+from celery_duraflow._schema import LATEST_VERSION, build_tables
+from celery_duraflow._store import Store, store_for
+from tests.conftest import app_factory, drop_tables
+
+
+@contextmanager
+def count_statements(store: Store) -> Iterator[list[str]]:
+    """Every SQL statement the store's engine sends, as it is sent."""
+    statements: list[str] = []
+
+    def record(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        # SQLite's explicit BEGIN IMMEDIATE is transaction control, not a statement of ours.
+        if not statement.startswith("BEGIN"):
+            statements.append(statement)
+
+    event.listen(store.engine, "before_cursor_execute", record)
+    try:
+        yield statements
+    finally:
+        event.remove(store.engine, "before_cursor_execute", record)
+
+
+def _store(app: Celery) -> Store:
+    return store_for(config_for_app(app))
+
+
+def test_unique_constraint_is_the_last_line_of_defence(
+        make_app: Callable[..., Celery]) -> None:
+    """The database itself refuses a second row for one (task id, step key)."""
+    app = make_app()
+    store = _store(app)
+    store.ensure_schema()
+    constraints = inspect(store.engine).get_unique_constraints(store.tables.steps.name)
+    assert any(c["column_names"] == ["task_id", "step_key"] for c in constraints)
+    store.begin_attempt("t1", "task")
+    assert store.claim_step("t1", "s", None) is not None
+    assert store.claim_step("t1", "s", None) is None  # ON CONFLICT DO NOTHING
+    with pytest.raises(IntegrityError), store.engine.begin() as conn:
+        conn.execute(store.tables.steps.insert().values(
+            task_id="t1", step_key="s", status="running", attempts=1,
+            started_at=func.now()))
+
+
+def test_sql_per_attempt(make_app: Callable[..., Celery]) -> None:
+    """Fresh steps cost a claim and a completion; replayed steps cost no SQL at all."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+
+    @app.task(base=DurableTask, bind=True, max_retries=1)
+    def task(self: DurableTask, n: int) -> None:
+        for i in range(n):
+            with step("s") as s:
+                s.result = i
+        with step("last"):
+            calls["last"] += 1
+            if calls["last"] == 1:
+                raise self.retry(countdown=0)
+
+    store = _store(app)
+    store.ensure_schema()
+    with count_statements(store) as statements:
+        assert task.apply(args=(20,)).successful()
+    writes = [s for s in statements if not s.lstrip().upper().startswith("SELECT")]
+    reads = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
+    # Attempt 1: begin + 21 claims + 20 completions + 1 failure; attempt 2: begin + claim
+    # + completion + finish. Reads: one load of the recorded steps per attempt.
+    assert len(reads) == 2
+    assert len(writes) == (1 + 21 + 20 + 1) + (1 + 1 + 1 + 1)
+
+
+def test_succeeded_redelivery_is_one_statement(make_app: Callable[..., Celery]) -> None:
+    """A message for a run that already succeeded costs one statement and runs nothing."""
+    app = make_app()
+
+    @app.task(base=DurableTask)
+    def task() -> int:
+        for i in range(10):
+            with step("s") as s:
+                s.result = i
+        return 7
+
+    task_id = str(uuid.uuid4())
+    assert task.apply(task_id=task_id).get() == 7
+    store = _store(app)
+    with count_statements(store) as statements:
+        assert task.apply(task_id=task_id).get() == 7
+    assert len(statements) == 1
+
+
+def _migrate_in_process(url: str, prefix: str, barrier: Any) -> list[int]:
+    store = Store(load_config({"duraflow_database_url": url, "duraflow_table_prefix": prefix},
+                              environ={}))
+    barrier.wait()
+    try:
+        return store.migrate()
+    finally:
+        store.close()
+
+
+def _migrate_worker(url: str, prefix: str, barrier: Any, out: Any) -> None:
+    out.put(_migrate_in_process(url, prefix, barrier))
+
+
+@pytest.mark.postgres
+def test_concurrent_first_use_migrates_once_across_processes(pg_url: str) -> None:
+    """Eight processes starting at once apply each migration exactly once."""
+    prefix = f"m{uuid.uuid4().hex[:8]}_"
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(8)
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_migrate_worker, args=(pg_url, prefix, barrier, out))
+             for _ in range(8)]
+    try:
+        for p in procs:
+            p.start()
+        results = [out.get(timeout=60) for _ in procs]
+        for p in procs:
+            p.join(timeout=30)
+            assert p.exitcode == 0
+        assert sorted(len(r) for r in results) == [0] * 7 + [LATEST_VERSION]
+        engine = create_engine(pg_url)
+        tables = build_tables(prefix)
+        with engine.connect() as conn:
+            versions = conn.execute(select(tables.schema_version.c.version)).scalars().all()
+        engine.dispose()
+        assert versions == list(range(1, LATEST_VERSION + 1))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        drop_tables(pg_url, prefix)
+
+
+def test_concurrent_first_use_migrates_once_across_threads(sqlite_url: str) -> None:
+    """Threads racing to create the SQLite schema apply it once, without errors."""
+    prefix = "threads_"
+    barrier = threading.Barrier(6)
+    results: list[list[int]] = []
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            results.append(_migrate_in_process(sqlite_url, prefix, barrier))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert errors == []
+    assert sorted(len(r) for r in results) == [0] * 5 + [LATEST_VERSION]
+
+
+def _child_reads_run(url: str, prefix: str, task_id: str, out: Any) -> None:
+    from celery_duraflow._store import all_stores
+
+    # The store was inherited through fork: the child must open its own connections.
+    (store,) = [s for s in all_stores() if s.config.table_prefix == prefix]
+    run = store.get_run(task_id)
+    out.put(run.status if run else None)
+
+
+def test_engine_is_not_shared_across_fork(make_app: Callable[..., Celery],
+                                          database_url: str, table_prefix: str) -> None:
+    """A forked child gets its own connections; the parent's keep working."""
+    app = make_app()
+
+    @app.task(base=DurableTask)
+    def task() -> None:
+        with step("s"):
+            pass
+
+    result = task.apply()
+    store = _store(app)
+    parent_engine = store.engine
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_child_reads_run,
+                       args=(database_url, table_prefix, result.id, out))
+    proc.start()
+    assert out.get(timeout=30) == "succeeded"
+    proc.join(timeout=30)
+    assert proc.exitcode == 0
+    assert store.engine is parent_engine
+    run = get_run(result.id, app=app)
+    assert run is not None and run.status == "succeeded"
+
+
+def test_unreachable_database_raises_store_unavailable(table_prefix: str) -> None:
+    """No database, no body: StoreUnavailable names the task and nothing runs."""
+    app = app_factory("postgresql+psycopg://nobody@127.0.0.1:1/nothing", table_prefix)(
+        duraflow_engine_options={"connect_args": {"connect_timeout": 2}})
+    calls: Counter[str] = Counter()
+
+    @app.task(base=DurableTask)
+    def task() -> None:
+        with step("charge"):
+            calls["charge"] += 1
+
+    result = task.apply()
+    err = result.result
+    assert isinstance(err, StoreUnavailable)
+    assert isinstance(err, ConnectionError)
+    assert err.task_id == result.id
+    assert "retried safely" in str(err)
+    assert calls["charge"] == 0
