@@ -424,3 +424,40 @@ def test_real_worker_redis_broker(make_app: Callable[..., Celery], redis_url: st
     with store.engine.connect() as conn:
         rows = conn.execute(select(store.tables.runs.c.status)).scalars().all()
     assert rows == ["succeeded"] * 3
+
+
+def test_nested_attempt_of_same_run_continues_it(make_app: Callable[..., Celery]) -> None:
+    """A retry run inside the failing attempt's call stack (old eager mode) continues the run."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+
+    @app.task(base=DurableTask, bind=True, max_retries=3)
+    def task(self: DurableTask) -> str:
+        with step("a") as s:
+            calls["a"] += 1
+            s.result = "A"
+        try:
+            with step("b") as s:
+                calls["b"] += 1
+                if calls["b"] == 1:
+                    raise Flaky("b fails once")
+                s.result = "B"
+        except Flaky as exc:
+            # What Celery's eager retry once did: run the next attempt right here,
+            # with the same task id, then unwind with Retry.
+            nested = self.apply(task_id=self.request.id, retries=self.request.retries + 1)
+            calls["nested-result"] += nested.get() == "AB"
+            raise Retry(exc=exc, when=0) from exc
+        return "A" + str(s.result)
+
+    task_id = str(uuid.uuid4())
+    outer = task.apply(task_id=task_id)
+    assert outer.state == "RETRY"
+    assert calls == {"a": 1, "b": 2, "nested-result": 1}
+    run = get_run(task_id, app=app)
+    assert run is not None
+    assert run.status == "succeeded"  # the outer attempt's unwinding did not undo it
+    assert run.attempts == 2
+    assert run.result == "AB"
+    assert [(s.key, s.status, s.attempts) for s in run.steps] == [("a", "completed", 1),
+                                                                  ("b", "completed", 2)]
