@@ -374,10 +374,8 @@ def test_get_run_of_unknown_task_is_none(make_app: Callable[..., Celery]) -> Non
     assert get_run("no-such-task", app=app) is None
 
 
-def test_real_worker_memory_broker(make_app: Callable[..., Celery]) -> None:
-    """An in-process worker retries through the broker and books once."""
-    app = make_app(eager=False)
-    calls: Counter[str] = Counter()
+def book_then_notify_task(app: Celery, calls: Counter[str]) -> Any:
+    """A task whose notify step fails once per run, retried through the broker."""
 
     @app.task(base=DurableTask, autoretry_for=(Flaky,), max_retries=3,
               retry_kwargs={"countdown": 0})
@@ -390,6 +388,16 @@ def test_real_worker_memory_broker(make_app: Callable[..., Celery]) -> None:
             if calls[f"notify-{n}"] == 1:
                 raise Flaky("first notify fails")
         return int(s.result)
+
+    return task
+
+
+def test_real_worker_memory_broker(make_app: Callable[..., Celery]) -> None:
+    """An in-process worker retries through the broker and books once."""
+    app = make_app(eager=False)
+    calls: Counter[str] = Counter()
+
+    task = book_then_notify_task(app, calls)
 
     with run_worker(app, pool="threads", concurrency=2):
         results = [task.delay(n) for n in range(4)]
@@ -404,17 +412,7 @@ def test_real_worker_redis_broker(make_app: Callable[..., Celery], redis_url: st
                    task_default_queue=f"q-{uuid.uuid4().hex[:8]}")
     calls: Counter[str] = Counter()
 
-    @app.task(base=DurableTask, autoretry_for=(Flaky,), max_retries=3,
-              retry_kwargs={"countdown": 0})
-    def task(n: int) -> int:
-        with step("book") as s:
-            calls[f"book-{n}"] += 1
-            s.result = n
-        with step("notify"):
-            calls[f"notify-{n}"] += 1
-            if calls[f"notify-{n}"] == 1:
-                raise Flaky("first notify fails")
-        return int(s.result)
+    task = book_then_notify_task(app, calls)
 
     with run_worker(app, pool="solo"):
         results = [task.delay(n) for n in range(3)]
