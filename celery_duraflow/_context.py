@@ -19,6 +19,7 @@ class RunContext:
     task_id: str
     task_name: str
     attempt: int
+    owner: str
     store: Store
     serializer: Serializer
     serializer_name: str

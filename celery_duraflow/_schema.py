@@ -33,6 +33,7 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.engine import Connection
+from sqlalchemy.schema import CreateColumn
 
 # Long enough for Celery's UUIDs and for the ids users choose themselves.
 TASK_ID_LENGTH = 255
@@ -72,6 +73,7 @@ def build_tables(prefix: str) -> Tables:
         Column("created_at", DateTime(timezone=True), nullable=False),
         Column("updated_at", DateTime(timezone=True), nullable=False),
         Column("finished_at", DateTime(timezone=True), nullable=True),
+        *_v2_run_columns(),
     )
     steps = Table(
         f"{prefix}steps",
@@ -100,19 +102,84 @@ def build_tables(prefix: str) -> Tables:
         UniqueConstraint("task_id", "step_key", name=f"{prefix}steps_task_step_key"),
     )
     Index(f"{prefix}runs_status_updated", runs.c.status, runs.c.updated_at)
+    Index(f"{prefix}runs_status_lease", runs.c.status, runs.c.lease_expires_at)
     return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps)
 
 
+def _v2_run_columns() -> list[Column[object]]:
+    return [
+        # The lease: which attempt owns the run, and until when.
+        Column("lease_owner", String(200), nullable=True),
+        Column("lease_expires_at", DateTime(timezone=True), nullable=True),
+        # What the recovery sweep needs to send the run again, and the arguments'
+        # fingerprint that a delivery with other arguments is checked against.
+        Column("args", Text, nullable=True),
+        Column("args_fingerprint", String(64), nullable=True),
+        Column("exchange", String(255), nullable=True),
+        Column("routing_key", String(255), nullable=True),
+        Column("retries", Integer, nullable=False, server_default="0"),
+        Column("recoveries", Integer, nullable=False, server_default="0"),
+    ]
+
+
+# Each migration declares the tables as they were at its version, so that it means
+# the same thing forever, whatever the current model above has become.
+
 def _v1_initial(conn: Connection, tables: Tables) -> None:
-    tables.runs.create(conn, checkfirst=True)
-    tables.steps.create(conn, checkfirst=True)
-    for index in tables.runs.indexes:
-        index.create(conn, checkfirst=True)
+    prefix = tables.runs.name.removesuffix("runs")
+    metadata = MetaData()
+    runs = Table(
+        f"{prefix}runs",
+        metadata,
+        Column("task_id", String(TASK_ID_LENGTH), primary_key=True),
+        Column("task_name", String(255), nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("attempts", Integer, nullable=False, default=1),
+        Column("result", Text, nullable=True),
+        Column("serializer", String(100), nullable=True),
+        Column("error", Text, nullable=True),
+        Column("created_at", DateTime(timezone=True), nullable=False),
+        Column("updated_at", DateTime(timezone=True), nullable=False),
+        Column("finished_at", DateTime(timezone=True), nullable=True),
+    )
+    Table(
+        f"{prefix}steps",
+        metadata,
+        Column("id", BigInteger().with_variant(Integer, "sqlite"), primary_key=True,
+               autoincrement=True),
+        Column("task_id", String(TASK_ID_LENGTH),
+               ForeignKey(f"{prefix}runs.task_id", ondelete="CASCADE"), nullable=False),
+        Column("step_key", String(STEP_KEY_LENGTH), nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("output", Text, nullable=True),
+        Column("serializer", String(100), nullable=True),
+        Column("error", Text, nullable=True),
+        Column("started_at", DateTime(timezone=True), nullable=False),
+        Column("completed_at", DateTime(timezone=True), nullable=True),
+        UniqueConstraint("task_id", "step_key", name=f"{prefix}steps_task_step_key"),
+    )
+    Index(f"{prefix}runs_status_updated", runs.c.status, runs.c.updated_at)
+    metadata.create_all(conn)
+
+
+def _add_column(conn: Connection, table: str, column: Column[object]) -> None:
+    ddl = CreateColumn(column).compile(dialect=conn.dialect)
+    conn.execute(text(f"ALTER TABLE {conn.dialect.identifier_preparer.quote(table)} ADD {ddl}"))
+
+
+def _v2_leases(conn: Connection, tables: Tables) -> None:
+    for column in _v2_run_columns():
+        _add_column(conn, tables.runs.name, column)
+    prefix = tables.runs.name.removesuffix("runs")
+    Index(f"{prefix}runs_status_lease", tables.runs.c.status,
+          tables.runs.c.lease_expires_at).create(conn)
 
 
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
+    (2, "run leases, arguments and recovery", _v2_leases),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

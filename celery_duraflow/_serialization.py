@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import importlib
 import pickle
 from typing import Any, Protocol
@@ -122,3 +123,28 @@ def decode(data: str | None, stored_with: str | None, configured: str, *, task_i
             task_id=task_id,
             step_key=step_key,
         ) from exc
+
+
+def encode_arguments(args: Any, kwargs: Any,
+                     serializer: Serializer) -> tuple[str | None, str | None]:
+    """A task's arguments as stored text, and their fingerprint.
+
+    The fingerprint is a SHA-256 of canonical JSON (sorted keys, tuples and
+    lists alike), so the same arguments match whether they came through a
+    broker or an eager call. Arguments JSON cannot hold are fingerprinted
+    through the configured serializer; if that fails too there is none.
+    """
+    payload = {"args": list(args), "kwargs": dict(kwargs)}
+    try:
+        blob: str | None = serializer.dumps(payload)
+    except Exception:
+        blob = None
+    canonical: str | None
+    try:
+        canonical = str(kombu_json.dumps(payload, sort_keys=True,  # type: ignore[no-untyped-call]
+                                         separators=(",", ":")))
+    except Exception:
+        canonical = blob
+    if canonical is None:
+        return blob, None
+    return blob, hashlib.sha256(canonical.encode("utf-8")).hexdigest()

@@ -10,12 +10,15 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from ._context import RunContext, current_run, describe
+from ._lease import keeper
 from ._rewrite import GUARD_NAME
 from ._store import STEP_COMPLETED, STEP_RUNNING, StepRecord
 from .errors import (
     InvalidStepName,
+    LeaseLost,
     NotInDurableTask,
     StepConflict,
+    StepInDoubt,
     StepNotPrepared,
     StepOutputNotSerializable,
     StoreUnavailable,
@@ -84,6 +87,7 @@ class StepContext:
         "_claim",
         "_ctx",
         "_entered",
+        "_on_in_doubt",
         "_should_run",
         "attempt",
         "cached",
@@ -93,9 +97,12 @@ class StepContext:
         "result",
     )
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, on_in_doubt: str = "rerun") -> None:
         ctx = current_run.get()
         self.name = _check_name(name, ctx)
+        if on_in_doubt not in ("rerun", "raise"):
+            raise ValueError(f"on_in_doubt must be 'rerun' or 'raise', got {on_in_doubt!r}")
+        self._on_in_doubt = on_in_doubt
         if ctx is None:
             raise NotInDurableTask(
                 f"step {name!r} was reached outside a durable task run, so its output would not "
@@ -180,24 +187,26 @@ class StepContext:
             )
         self._entered = True
         ctx = self._ctx
+        if keeper().lost(ctx.task_id, ctx.owner):
+            raise self._lease_lost()
         prior = ctx.recorded.get(self.key)
         if prior is not None and prior.status == STEP_COMPLETED:
             self._use_stored(prior)
         else:
             self.in_doubt = prior is not None and prior.status == STEP_RUNNING
-            claim = ctx.store.claim_step(ctx.task_id, self.key, prior)
+            if self.in_doubt and self._on_in_doubt == "raise":
+                raise StepInDoubt(
+                    f"step {self.key!r} of task {ctx.task_id} was started by an earlier attempt "
+                    "that never recorded how it ended, and the step says on_in_doubt='raise'. "
+                    "Find out whether its side effect happened (its idempotency key is "
+                    f"{self.idempotency_key}), then record the step's output or let it run "
+                    "again.",
+                    task_id=ctx.task_id,
+                    step_key=self.key,
+                )
+            claim = ctx.store.claim_step(ctx.task_id, self.key, ctx.owner, prior)
             if claim is None:
-                # Another attempt claimed it between our load and our claim: read what it did.
-                latest = ctx.store.get_step(ctx.task_id, self.key)
-                if latest is None or latest.status != STEP_COMPLETED:
-                    raise StepConflict(
-                        f"step {self.key!r} of task {ctx.task_id} is being run by another "
-                        "attempt of the same task id. This attempt stops without running it; "
-                        "retry the task later.",
-                        task_id=ctx.task_id,
-                        step_key=self.key,
-                    )
-                self._use_stored(latest)
+                self._use_stored(self._lost_claim())
             else:
                 self._claim = claim
                 self.attempt = claim.attempts
@@ -210,6 +219,32 @@ class StepContext:
                     logger.debug("step %r of task %s: running (attempt %d)",
                                  self.key, ctx.task_id, self.attempt)
         ctx.stack.append(self)
+
+    def _lease_lost(self) -> LeaseLost:
+        ctx = self._ctx
+        return LeaseLost(
+            f"task {ctx.task_id} lost its lease before step {self.key!r}: another attempt "
+            "took the run over, so this attempt stops without running or recording anything. "
+            "The run goes on under its new owner; nothing needs to be done.",
+            task_id=ctx.task_id,
+            step_key=self.key,
+        )
+
+    def _lost_claim(self) -> StepRecord:
+        """The claim matched nothing: find out who got there first, and whether it finished."""
+        ctx = self._ctx
+        run = ctx.store.get_run(ctx.task_id)
+        if run is None or run.lease_owner != ctx.owner:
+            raise self._lease_lost()
+        latest = ctx.store.get_step(ctx.task_id, self.key)
+        if latest is None or latest.status != STEP_COMPLETED:
+            raise StepConflict(
+                f"step {self.key!r} of task {ctx.task_id} is being run by another attempt of "
+                "the same task id. This attempt stops without running it; retry the task later.",
+                task_id=ctx.task_id,
+                step_key=self.key,
+            )
+        return latest
 
     def _use_stored(self, record: StepRecord) -> None:
         ctx = self._ctx
@@ -231,7 +266,7 @@ class StepContext:
         self._claim = None
         if exc is not None:
             try:
-                ctx.store.fail_step(claim, _error_text(exc))
+                ctx.store.fail_step(claim, ctx.owner, _error_text(exc))
             except StoreUnavailable:
                 # Keep the user's exception; the step stays "running" and is in doubt next time.
                 logger.warning("could not record the failure of step %r of task %s",
@@ -243,7 +278,8 @@ class StepContext:
             data = ctx.serializer.dumps(self.result)
             value = ctx.serializer.loads(data)
         except Exception as error:
-            ctx.store.fail_step(claim, f"output not serializable: {_error_text(error)}")
+            ctx.store.fail_step(claim, ctx.owner,
+                                f"output not serializable: {_error_text(error)}")
             raise StepOutputNotSerializable(
                 f"the output of step {self.key!r} in task {ctx.task_id} cannot be stored with "
                 f"the {ctx.serializer_name!r} serializer ({error}); the output was "
@@ -252,11 +288,11 @@ class StepContext:
                 task_id=ctx.task_id,
                 step_key=self.key,
             ) from error
-        if not ctx.store.complete_step(claim, data, ctx.serializer_name):
-            raise StepConflict(
-                f"step {self.key!r} of task {ctx.task_id} finished, but another attempt took it "
-                "over meanwhile, so this attempt's output was not recorded. Retry the task; it "
-                "will use the recorded output.",
+        if not ctx.store.complete_step(claim, ctx.owner, data, ctx.serializer_name):
+            raise LeaseLost(
+                f"step {self.key!r} of task {ctx.task_id} finished, but another attempt took "
+                "the run over meanwhile, so this attempt's output was not recorded. The new "
+                "owner decides what happens to the step; nothing needs to be done.",
                 task_id=ctx.task_id,
                 step_key=self.key,
             )
@@ -272,8 +308,14 @@ def _decode(ctx: RunContext, record: StepRecord) -> Any:
                   task_id=ctx.task_id, step_key=record.key)
 
 
-def step(name: str) -> StepContext:
+def step(name: str, *, on_in_doubt: str = "rerun") -> StepContext:
     """Declare a durable step of the running task.
+
+    ``on_in_doubt`` says what to do when an earlier attempt started this
+    step and died before recording its end: ``"rerun"`` (the default) runs
+    it again with ``s.in_doubt`` True and the same ``s.idempotency_key``;
+    ``"raise"`` raises :class:`~celery_duraflow.StepInDoubt` instead, for
+    side effects a human must reconcile.
 
     Use it as a ``with`` block (the body is skipped when the step completed in
     an earlier attempt, and ``s.result`` holds the stored output)::
@@ -286,4 +328,4 @@ def step(name: str) -> StepContext:
 
         booking = step("book-flight").run(airline.book, flight)
     """
-    return StepContext(name)
+    return StepContext(name, on_in_doubt=on_in_doubt)

@@ -17,10 +17,23 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, case, create_engine, event, select, update
+from sqlalchemy import (
+    Engine,
+    and_,
+    case,
+    create_engine,
+    event,
+    exists,
+    func,
+    literal,
+    or_,
+    select,
+    true,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import (
@@ -75,6 +88,14 @@ class RunRecord:
     created_at: datetime
     updated_at: datetime
     finished_at: datetime | None
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
+    args: str | None = None
+    args_fingerprint: str | None = None
+    exchange: str | None = None
+    routing_key: str | None = None
+    retries: int = 0
+    recoveries: int = 0
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:
@@ -90,7 +111,28 @@ class RunRecord:
             created_at=_utc(m["created_at"]),  # type: ignore[arg-type]
             updated_at=_utc(m["updated_at"]),  # type: ignore[arg-type]
             finished_at=_utc(m["finished_at"]),
+            lease_owner=m["lease_owner"],
+            lease_expires_at=_utc(m["lease_expires_at"]),
+            args=m["args"],
+            args_fingerprint=m["args_fingerprint"],
+            exchange=m["exchange"],
+            routing_key=m["routing_key"],
+            retries=m["retries"],
+            recoveries=m["recoveries"],
         )
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """What an attempt knows about the message that started it."""
+
+    task_name: str
+    owner: str
+    args: str | None = None
+    args_fingerprint: str | None = None
+    exchange: str | None = None
+    routing_key: str | None = None
+    retries: int = 0
 
 
 @dataclass(frozen=True)
@@ -292,46 +334,157 @@ class Store:
 
     # -- runs ----------------------------------------------------------------------------
 
-    def begin_attempt(self, task_id: str, task_name: str) -> RunRecord:
-        """Record an attempt of a run (creating the run on its first) and return the row.
+    def begin_attempt(self, task_id: str, delivery: Delivery) -> RunRecord:
+        """Record an attempt and take the run's lease, in one statement.
 
-        A run that already succeeded is returned unchanged, so the caller can
-        hand back its result without running anything.
+        The row is always returned; the caller compares ``lease_owner`` with
+        its own identity to learn whether it got the lease. A run that
+        already succeeded, a run leased to a live owner, and a run recorded
+        with other arguments or under another task name are returned
+        unchanged.
         """
         runs = self.tables.runs
         now = _now()
-        finished = runs.c.status == SUCCEEDED
+        expires = now + timedelta(seconds=self.config.lease_seconds)
+        fingerprint_ok = (
+            true() if delivery.args_fingerprint is None
+            else or_(runs.c.args_fingerprint.is_(None),
+                     runs.c.args_fingerprint == delivery.args_fingerprint)
+        )
+        acquire = and_(
+            runs.c.status != SUCCEEDED,
+            runs.c.task_name == delivery.task_name,
+            fingerprint_ok,
+            or_(runs.c.lease_owner.is_(None), runs.c.lease_expires_at < now,
+                runs.c.lease_owner == delivery.owner),
+        )
+        values = self._acquired_values(delivery, now, expires)
         stmt = (
             self._insert(runs)
-            .values(task_id=task_id, task_name=task_name, status=RUNNING, attempts=1,
-                    created_at=now, updated_at=now)
+            .values(task_id=task_id, created_at=now, recoveries=0,
+                    **{**values, "attempts": 1, "args": delivery.args,
+                       "args_fingerprint": delivery.args_fingerprint})
         )
         stmt = stmt.on_conflict_do_update(
             index_elements=[runs.c.task_id],
-            set_={
-                "attempts": case((finished, runs.c.attempts), else_=runs.c.attempts + 1),
-                "status": case((finished, runs.c.status), else_=RUNNING),
-                "error": case((finished, runs.c.error), else_=None),
-                "finished_at": case((finished, runs.c.finished_at), else_=None),
-                "updated_at": now,
-            },
+            set_={name: case((acquire, value), else_=runs.c[name])
+                  for name, value in values.items()},
         ).returning(*runs.c)
         with self._write("starting an attempt", task_id) as conn:
             row = conn.execute(stmt).one()
         return RunRecord.from_row(row)
 
-    def finish_run(self, task_id: str, status: str, *, result: str | None = None,
+    def _acquired_values(self, delivery: Delivery, now: datetime,
+                         expires: datetime) -> dict[str, Any]:
+        runs = self.tables.runs
+        return {
+            "task_name": delivery.task_name,
+            "status": RUNNING,
+            "attempts": runs.c.attempts + 1,
+            "error": None,
+            "finished_at": None,
+            "updated_at": now,
+            "lease_owner": delivery.owner,
+            "lease_expires_at": expires,
+            "args": func.coalesce(runs.c.args, literal(delivery.args, runs.c.args.type)),
+            "args_fingerprint": func.coalesce(
+                runs.c.args_fingerprint,
+                literal(delivery.args_fingerprint, runs.c.args_fingerprint.type)),
+            "exchange": delivery.exchange,
+            "routing_key": delivery.routing_key,
+            "retries": delivery.retries,
+        }
+
+    def take_over(self, task_id: str, dead_owner: str, delivery: Delivery) -> RunRecord | None:
+        """Take the lease from an owner known to be dead; None if it changed meanwhile."""
+        runs = self.tables.runs
+        now = _now()
+        expires = now + timedelta(seconds=self.config.lease_seconds)
+        stmt = (
+            update(runs)
+            .where(runs.c.task_id == task_id, runs.c.lease_owner == dead_owner,
+                   runs.c.status != SUCCEEDED)
+            .values(**self._acquired_values(delivery, now, expires))
+            .returning(*runs.c)
+        )
+        with self._write("taking over the run of a dead worker", task_id) as conn:
+            row = conn.execute(stmt).first()
+        return RunRecord.from_row(row) if row is not None else None
+
+    def finish_run(self, task_id: str, owner: str, status: str, *, result: str | None = None,
                    serializer: str | None = None, error: str | None = None) -> bool:
-        """Record the end of a run. A run that already succeeded is never changed."""
+        """Record the end of a run and drop its lease; False if this owner lost the lease."""
         runs = self.tables.runs
         now = _now()
         stmt = (
             update(runs)
-            .where(runs.c.task_id == task_id, runs.c.status != SUCCEEDED)
+            .where(runs.c.task_id == task_id, runs.c.lease_owner == owner,
+                   runs.c.status != SUCCEEDED)
             .values(status=status, result=result, serializer=serializer, error=error,
-                    updated_at=now, finished_at=now)
+                    updated_at=now, finished_at=now, lease_owner=None, lease_expires_at=None)
         )
         with self._write(f"recording the run as {status}", task_id) as conn:
+            return bool(conn.execute(stmt).rowcount)
+
+    def release_lease(self, task_id: str, owner: str, *,
+                      recover_after: float | None) -> bool:
+        """Drop the lease of an attempt that ends without ending the run.
+
+        With ``recover_after`` the run becomes recoverable by the sweep that
+        many seconds from now if no delivery has picked it up by then (a
+        retry's countdown plus a lease, say); with None it never does.
+        """
+        runs = self.tables.runs
+        now = _now()
+        expires = None if recover_after is None else now + timedelta(seconds=recover_after)
+        stmt = (
+            update(runs)
+            .where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
+            .values(lease_owner=None, lease_expires_at=expires, updated_at=now)
+        )
+        with self._write("releasing the run's lease", task_id) as conn:
+            return bool(conn.execute(stmt).rowcount)
+
+    def renew_leases(self, leases: list[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Extend the given (task id, owner) leases; return those still held."""
+        if not leases:
+            return set()
+        runs = self.tables.runs
+        expires = _now() + timedelta(seconds=self.config.lease_seconds)
+        stmt = (
+            update(runs)
+            .where(or_(*[and_(runs.c.task_id == task_id, runs.c.lease_owner == owner)
+                         for task_id, owner in leases]))
+            .values(lease_expires_at=expires)
+            .returning(runs.c.task_id, runs.c.lease_owner)
+        )
+        with self._write("renewing run leases") as conn:
+            return {(row[0], row[1]) for row in conn.execute(stmt)}
+
+    def recoverable_runs(self, limit: int) -> list[RunRecord]:
+        """Running runs whose lease expired: their owner died or their retry never came."""
+        runs = self.tables.runs
+        stmt = (
+            select(runs)
+            .where(runs.c.status == RUNNING, runs.c.lease_expires_at < _now())
+            .order_by(runs.c.lease_expires_at)
+            .limit(limit)
+        )
+        with self._read("looking for lost runs") as conn:
+            return [RunRecord.from_row(row) for row in conn.execute(stmt)]
+
+    def mark_recovering(self, run: RunRecord, grace: float) -> bool:
+        """Claim the right to re-send a lost run; False if another sweeper got it first."""
+        runs = self.tables.runs
+        now = _now()
+        stmt = (
+            update(runs)
+            .where(runs.c.task_id == run.task_id, runs.c.status == RUNNING,
+                   runs.c.lease_expires_at == run.lease_expires_at)
+            .values(lease_expires_at=now + timedelta(seconds=grace),
+                    recoveries=runs.c.recoveries + 1, updated_at=now)
+        )
+        with self._write("marking a lost run for recovery", run.task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
 
     def get_run(self, task_id: str) -> RunRecord | None:
@@ -341,6 +494,10 @@ class Store:
         return RunRecord.from_row(row) if row is not None else None
 
     # -- steps ---------------------------------------------------------------------------
+
+    def _holds_lease(self, task_id: str, owner: str) -> Any:
+        runs = self.tables.runs
+        return exists().where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
 
     def load_steps(self, task_id: str) -> dict[str, StepRecord]:
         """Every recorded step of a run, by key, in one query."""
@@ -357,22 +514,30 @@ class Store:
             row = conn.execute(stmt).first()
         return StepRecord.from_row(row) if row is not None else None
 
-    def claim_step(self, task_id: str, step_key: str,
+    def claim_step(self, task_id: str, step_key: str, owner: str,
                    prior: StepRecord | None) -> StepRecord | None:
-        """Take ownership of a step before its body runs.
+        """Take ownership of a step before its body runs, if this owner holds the run.
 
-        With no earlier row this is ``INSERT ... ON CONFLICT DO NOTHING
-        RETURNING``; a failed or interrupted row is re-claimed only if it is
-        still exactly as this attempt saw it. ``None`` means another attempt
-        got there first.
+        With no earlier row this is the essay's ``INSERT ... ON CONFLICT DO
+        NOTHING RETURNING``; a failed or interrupted row is re-claimed only if
+        it is still exactly as this attempt saw it. ``None`` means the row
+        changed meanwhile or the run's lease is no longer this owner's.
         """
         steps = self.tables.steps
         now = _now()
+        fence = self._holds_lease(task_id, owner)
         if prior is None:
+            row_values = select(
+                literal(task_id, steps.c.task_id.type),
+                literal(step_key, steps.c.step_key.type),
+                literal(STEP_RUNNING, steps.c.status.type),
+                literal(1, steps.c.attempts.type),
+                literal(now, steps.c.started_at.type),
+            ).where(fence)
             stmt = (
                 self._insert(steps)
-                .values(task_id=task_id, step_key=step_key, status=STEP_RUNNING, attempts=1,
-                        started_at=now)
+                .from_select(["task_id", "step_key", "status", "attempts", "started_at"],
+                             row_values)
                 .on_conflict_do_nothing(index_elements=[steps.c.task_id, steps.c.step_key])
                 .returning(*steps.c)
             )
@@ -380,7 +545,7 @@ class Store:
             stmt = (
                 update(steps)
                 .where(steps.c.id == prior.id, steps.c.status == prior.status,
-                       steps.c.attempts == prior.attempts)
+                       steps.c.attempts == prior.attempts, fence)
                 .values(status=STEP_RUNNING, attempts=prior.attempts + 1, started_at=now,
                         completed_at=None, error=None)
                 .returning(*steps.c)
@@ -389,26 +554,26 @@ class Store:
             row = conn.execute(stmt).first()
         return StepRecord.from_row(row) if row is not None else None
 
-    def complete_step(self, claim: StepRecord, output: str, serializer: str) -> bool:
-        """Store a step's output; False if the claim was taken over meanwhile."""
+    def complete_step(self, claim: StepRecord, owner: str, output: str, serializer: str) -> bool:
+        """Store a step's output; False if the claim or the run's lease was lost meanwhile."""
         steps = self.tables.steps
         stmt = (
             update(steps)
             .where(steps.c.id == claim.id, steps.c.status == STEP_RUNNING,
-                   steps.c.attempts == claim.attempts)
+                   steps.c.attempts == claim.attempts, self._holds_lease(claim.task_id, owner))
             .values(status=STEP_COMPLETED, output=output, serializer=serializer,
                     completed_at=_now(), error=None)
         )
         with self._write("recording the step output", claim.task_id, claim.key) as conn:
             return bool(conn.execute(stmt).rowcount)
 
-    def fail_step(self, claim: StepRecord, error: str) -> bool:
-        """Mark a claimed step failed with the error text."""
+    def fail_step(self, claim: StepRecord, owner: str, error: str) -> bool:
+        """Mark a claimed step failed with the error text (fenced like completion)."""
         steps = self.tables.steps
         stmt = (
             update(steps)
             .where(steps.c.id == claim.id, steps.c.status == STEP_RUNNING,
-                   steps.c.attempts == claim.attempts)
+                   steps.c.attempts == claim.attempts, self._holds_lease(claim.task_id, owner))
             .values(status=STEP_FAILED, error=error)
         )
         with self._write("recording the step failure", claim.task_id, claim.key) as conn:

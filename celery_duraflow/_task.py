@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import logging
+import random
 import types
-from typing import Any
+from datetime import UTC, datetime
+from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
-from ._config import config_for_app
+from ._config import Config, config_for_app
 from ._context import RunContext, current_run, describe
+from ._lease import keeper, new_owner, owner_is_gone
 from ._rewrite import prepare
-from ._serialization import decode, get_serializer
+from ._serialization import Serializer, decode, encode_arguments, get_serializer
 from ._signals import install_signal_handlers
-from ._store import FAILED, SUCCEEDED, store_for
-from .errors import StepOutputNotSerializable, StoreUnavailable
+from ._store import FAILED, SUCCEEDED, Delivery, RunRecord, Store, store_for
+from .errors import (
+    LeaseLost,
+    RunArgumentsMismatch,
+    StepOutputNotSerializable,
+    StoreUnavailable,
+)
 
 logger = logging.getLogger("celery_duraflow.task")
-
-# Exceptions that end an attempt without ending the run: Celery will deliver it again.
-_NOT_THE_END = (Retry, Ignore, Reject)
 
 
 class DurableTask(Task):  # type: ignore[misc]
@@ -53,27 +58,60 @@ class DurableTask(Task):  # type: ignore[misc]
 
         config = config_for_app(self._get_app())
         store = store_for(config)
-        run = store.begin_attempt(task_id, self.name)
-        if run.status == SUCCEEDED:
-            logger.info("task %s (%s) already succeeded; returning its recorded result",
-                        task_id, self.name)
-            return decode(run.result, run.serializer, config.serializer,
-                          task_id=task_id, step_key=None)
+        serializer = get_serializer(config.serializer)
+        outer = current_run.get()
+        # An eager retry nested in its caller's attempt continues under the caller's lease.
+        owner = outer.owner if outer is not None and outer.task_id == task_id else new_owner()
+        delivery = self._delivery(owner, args, kwargs, serializer)
 
-        ctx = RunContext(
-            task_id=task_id,
-            task_name=self.name,
-            attempt=run.attempts,
-            store=store,
-            serializer=get_serializer(config.serializer),
-            serializer_name=config.serializer,
-            recorded=store.load_steps(task_id),
-        )
+        try:
+            run = store.begin_attempt(task_id, delivery)
+        except StoreUnavailable as exc:
+            self._come_back_later(exc)
+        if run.lease_owner != owner:
+            taken = self._not_ours(store, config, run, delivery)
+            if taken is None:
+                return decode(run.result, run.serializer, config.serializer,
+                              task_id=task_id, step_key=None)
+            run = taken
+
+        keeper().hold(store, task_id, owner)
+        try:
+            return self._attempt(store, config, serializer, run, owner, args, kwargs)
+        finally:
+            keeper().release(store, task_id, owner)
+
+    def _attempt(self, store: Store, config: Config, serializer: Serializer, run: RunRecord,
+                 owner: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        task_id = run.task_id
+        try:
+            recorded = store.load_steps(task_id)
+        except StoreUnavailable as exc:
+            self._release(store, task_id, owner, recover_after=config.lease_seconds)
+            self._come_back_later(exc)
+        ctx = RunContext(task_id=task_id, task_name=self.name, attempt=run.attempts,
+                         owner=owner, store=store, serializer=serializer,
+                         serializer_name=config.serializer, recorded=recorded)
         token = current_run.set(ctx)
         try:
             result = super().__call__(*args, **kwargs)
-        except _NOT_THE_END:
+        except Retry as exc:
+            # Celery sends the retry itself; if it never arrives, the sweep re-sends the run
+            # once its countdown and a lease have passed.
+            self._release(store, task_id, owner,
+                          recover_after=_seconds_until(exc.when) + config.lease_seconds)
             raise
+        except Reject as exc:
+            self._release(store, task_id, owner,
+                          recover_after=config.lease_seconds if exc.requeue else None)
+            raise
+        except Ignore:
+            # The task chose to stop here (Task.replace, say): nothing to resume.
+            self._release(store, task_id, owner, recover_after=None)
+            raise
+        except LeaseLost as exc:
+            logger.warning("task %s: %s", task_id, exc)
+            raise Ignore() from exc
         except BaseException as exc:
             self._record_failure(ctx, exc)
             raise
@@ -81,7 +119,7 @@ class DurableTask(Task):  # type: ignore[misc]
             current_run.reset(token)
 
         try:
-            data = ctx.serializer.dumps(result)
+            data = serializer.dumps(result)
         except Exception as error:
             refused = StepOutputNotSerializable(
                 f"task {task_id} ({self.name}) returned {describe(result)}, which the "
@@ -91,12 +129,99 @@ class DurableTask(Task):  # type: ignore[misc]
             )
             self._record_failure(ctx, refused)
             raise refused from error
-        store.finish_run(task_id, SUCCEEDED, result=data, serializer=config.serializer)
+        if not store.finish_run(task_id, owner, SUCCEEDED, result=data,
+                                serializer=config.serializer):
+            logger.warning("task %s finished, but another attempt owns the run now; its "
+                           "result was not recorded", task_id)
         return result
+
+    def _delivery(self, owner: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  serializer: Serializer) -> Delivery:
+        request = self.request
+        info = request.delivery_info or {}
+        blob, fingerprint = encode_arguments(args, kwargs, serializer)
+        return Delivery(task_name=self.name, owner=owner, args=blob,
+                        args_fingerprint=fingerprint, exchange=info.get("exchange") or None,
+                        routing_key=info.get("routing_key") or None,
+                        retries=int(request.retries or 0))
+
+    def _not_ours(self, store: Store, config: Config, run: RunRecord,
+                  delivery: Delivery) -> RunRecord | None:
+        """Deal with a run this delivery did not get the lease of.
+
+        Returns the run when it could be taken over from a dead owner, None
+        when it already succeeded (the caller returns its result), and raises
+        otherwise.
+        """
+        task_id = run.task_id
+        if run.task_name != delivery.task_name or (
+                run.args_fingerprint and delivery.args_fingerprint
+                and run.args_fingerprint != delivery.args_fingerprint):
+            raise RunArgumentsMismatch(
+                f"task id {task_id} is recorded as a run of {run.task_name} with other "
+                f"arguments than this delivery of {delivery.task_name} brings, so its recorded "
+                "steps cannot be used. Send new work under a new task id; to run this id "
+                "again with the old arguments, send exactly those.",
+                task_id=task_id,
+            )
+        if run.status == SUCCEEDED:
+            logger.info("task %s (%s) already succeeded; returning its recorded result",
+                        task_id, self.name)
+            return None
+        if owner_is_gone(run.lease_owner):
+            taken = store.take_over(task_id, str(run.lease_owner), delivery)
+            if taken is not None:
+                logger.warning("task %s: its previous owner %s is gone; taking the run over",
+                               task_id, run.lease_owner)
+                return taken
+        # A live attempt owns the run (a duplicate delivery): leave the run to it. If
+        # that owner dies, its lease expires and the run is delivered again.
+        logger.info("task %s is being run by %s; this duplicate delivery leaves it alone",
+                    task_id, run.lease_owner)
+        raise Ignore()
+
+    def _come_back_later(self, exc: StoreUnavailable) -> NoReturn:
+        """The store is down before the run could start: send this delivery again later.
+
+        Re-sending keeps the user's retry count untouched; an eager call has no
+        broker to come back through, so there the error is raised as it is.
+        """
+        if self.request.is_eager:
+            raise exc
+        delay = random.uniform(1.0, 5.0)
+        try:
+            signature = self.signature_from_request(self.request, countdown=delay)
+            signature.apply_async()
+        except Exception:
+            logger.exception("task %s: the store is unavailable and re-sending the task failed",
+                             self.request.id)
+            raise exc from None
+        logger.warning("task %s: the store is unavailable (%s); trying again in %.1fs",
+                       self.request.id, exc, delay)
+        raise Ignore() from exc
+
+    def _release(self, store: Store, task_id: str, owner: str, *,
+                 recover_after: float | None) -> None:
+        try:
+            store.release_lease(task_id, owner, recover_after=recover_after)
+        except StoreUnavailable:
+            # The lease simply expires and the sweep (or a redelivery) takes over.
+            logger.warning("could not release the lease of task %s", task_id, exc_info=True)
 
     def _record_failure(self, ctx: RunContext, exc: BaseException) -> None:
         try:
-            ctx.store.finish_run(ctx.task_id, FAILED,
+            ctx.store.finish_run(ctx.task_id, ctx.owner, FAILED,
                                  error=f"{type(exc).__qualname__}: {exc}"[:4000])
         except StoreUnavailable:
             logger.warning("could not record the failure of task %s", ctx.task_id, exc_info=True)
+
+
+def _seconds_until(when: Any) -> float:
+    """A retry's countdown (seconds) or eta (datetime), as seconds from now."""
+    if isinstance(when, datetime):
+        moment = when if when.tzinfo else when.replace(tzinfo=UTC)
+        return max(0.0, (moment - datetime.now(UTC)).total_seconds())
+    try:
+        return max(0.0, float(when or 0))
+    except (TypeError, ValueError):
+        return 0.0

@@ -9,9 +9,12 @@ to the caller intact::
     ├── ConfigurationError        a duraflow_* setting or the database URL is wrong
     ├── InvalidStepName           step() got an empty, non-string or malformed name
     ├── NotInDurableTask          step() was used outside a run of a DurableTask
+    ├── RunArgumentsMismatch      a task id was sent again with other arguments
+    ├── StepInDoubt               an interrupted step asks for a human (on_in_doubt="raise")
     ├── StepNotPrepared           `with step(...)` in code that was not prepared
     ├── StepOutputNotSerializable a step output or task result the serializer refuses
     ├── StepConflict              another attempt of the same run owns the step
+    │   └── LeaseLost             this attempt no longer owns its run
     └── StoreUnavailable          the database could not be reached
 """
 
@@ -23,8 +26,11 @@ __all__ = [
     "ConfigurationError",
     "DuraflowError",
     "InvalidStepName",
+    "LeaseLost",
     "NotInDurableTask",
+    "RunArgumentsMismatch",
     "StepConflict",
+    "StepInDoubt",
     "StepNotPrepared",
     "StepOutputNotSerializable",
     "StoreUnavailable",
@@ -79,6 +85,30 @@ class StepOutputNotSerializable(DuraflowError, TypeError):
 
 class StepConflict(DuraflowError):
     """Another attempt of the same run is executing this step right now."""
+
+
+class LeaseLost(StepConflict):
+    """This attempt's lease on its run expired and another attempt took the run over.
+
+    Nothing this attempt does from then on is recorded; the new owner goes on.
+    """
+
+
+class RunArgumentsMismatch(DuraflowError, ValueError):
+    """A task id already recorded was delivered with other arguments or another task name.
+
+    The recorded steps belong to the first arguments; handing them to other
+    ones would be wrong, so the delivery is refused.
+    """
+
+
+class StepInDoubt(DuraflowError):
+    """A step started by an earlier attempt never recorded how it ended.
+
+    Raised instead of running it again when the step was declared with
+    ``on_in_doubt="raise"``: someone has to find out whether its side effect
+    happened.
+    """
 
 
 class StoreUnavailable(DuraflowError, ConnectionError):

@@ -17,8 +17,9 @@ from sqlalchemy.exc import IntegrityError
 
 from celery_duraflow import DurableTask, StoreUnavailable, get_run, step
 from celery_duraflow._config import config_for_app, load_config
+from celery_duraflow._lease import new_owner
 from celery_duraflow._schema import LATEST_VERSION, build_tables
-from celery_duraflow._store import Store, store_for
+from celery_duraflow._store import Delivery, Store, store_for
 from tests.conftest import app_factory, drop_tables
 
 
@@ -51,9 +52,11 @@ def test_unique_constraint_is_the_last_line_of_defence(
     store.ensure_schema()
     constraints = inspect(store.engine).get_unique_constraints(store.tables.steps.name)
     assert any(c["column_names"] == ["task_id", "step_key"] for c in constraints)
-    store.begin_attempt("t1", "task")
-    assert store.claim_step("t1", "s", None) is not None
-    assert store.claim_step("t1", "s", None) is None  # ON CONFLICT DO NOTHING
+    owner = new_owner()
+    run = store.begin_attempt("t1", Delivery(task_name="task", owner=owner))
+    assert run.lease_owner == owner
+    assert store.claim_step("t1", "s", owner, None) is not None
+    assert store.claim_step("t1", "s", owner, None) is None  # ON CONFLICT DO NOTHING
     with pytest.raises(IntegrityError), store.engine.begin() as conn:
         conn.execute(store.tables.steps.insert().values(
             task_id="t1", step_key="s", status="running", attempts=1,
@@ -81,10 +84,11 @@ def test_sql_per_attempt(make_app: Callable[..., Celery]) -> None:
         assert task.apply(args=(20,)).successful()
     writes = [s for s in statements if not s.lstrip().upper().startswith("SELECT")]
     reads = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
-    # Attempt 1: begin + 21 claims + 20 completions + 1 failure; attempt 2: begin + claim
-    # + completion + finish. Reads: one load of the recorded steps per attempt.
+    # Attempt 1: begin + 21 claims + 20 completions + 1 failure + lease release on Retry;
+    # attempt 2: begin + claim + completion + finish. Reads: one load of the recorded steps
+    # per attempt, and nothing per replayed step.
     assert len(reads) == 2
-    assert len(writes) == (1 + 21 + 20 + 1) + (1 + 1 + 1 + 1)
+    assert len(writes) == (1 + 21 + 20 + 1 + 1) + (1 + 1 + 1 + 1)
 
 
 def test_succeeded_redelivery_is_one_statement(make_app: Callable[..., Celery]) -> None:

@@ -268,17 +268,18 @@ def test_in_doubt_step_runs_again_with_same_key(make_app: Callable[..., Celery])
 
 
 def test_concurrent_claim_is_refused(make_app: Callable[..., Celery]) -> None:
-    """If another attempt claims a step first, this attempt does not run the body."""
+    """If the step was claimed after this attempt loaded the run, the body does not run."""
+    from celery_duraflow._context import get_current_run
+
     app = make_app()
     calls: Counter[str] = Counter()
-    store_ref: list[Any] = []
 
     @app.task(base=DurableTask)
     def task() -> None:
-        store = store_for(config_for_app(app))
-        store_ref.append(store)
-        # A second delivery of the same task id claims the step first.
-        store.claim_step(task.request.id, "charge", None)
+        ctx = get_current_run()
+        assert ctx is not None
+        # Something claims the step between the attempt's load and its claim.
+        ctx.store.claim_step(ctx.task_id, "charge", ctx.owner, None)
         with step("charge"):
             calls["charge"] += 1
 
@@ -286,6 +287,32 @@ def test_concurrent_claim_is_refused(make_app: Callable[..., Celery]) -> None:
     assert isinstance(result.result, StepConflict)
     assert result.result.step_key == "charge"
     assert calls["charge"] == 0
+
+
+def test_attempt_that_lost_its_lease_records_nothing(make_app: Callable[..., Celery]) -> None:
+    """Fencing: once another owner holds the run, this attempt neither runs nor records."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+
+    @app.task(base=DurableTask)
+    def task() -> None:
+        with step("first") as s:
+            calls["first"] += 1
+            store = store_for(config_for_app(app))
+            runs = store.tables.runs
+            with store.engine.begin() as conn:
+                conn.execute(update(runs).values(lease_owner="another-host|x|1|abc"))
+            s.result = "done"
+        with step("second"):
+            calls["second"] += 1
+
+    result = task.apply()
+    assert result.state == "IGNORED"
+    assert calls == {"first": 1}
+    run = get_run(result.id, app=app)
+    assert run is not None
+    assert run.status == "running"  # the new owner decides how it ends
+    assert [(s.key, s.status) for s in run.steps] == [("first", "running")]
 
 
 def test_step_outside_a_run_raises(make_app: Callable[..., Celery]) -> None:

@@ -1,0 +1,185 @@
+"""Who owns a run right now: lease owner identities and the heartbeat that renews them.
+
+An attempt owns its run through a lease: an owner string and an expiry time
+on the run's row. Every write an attempt makes is fenced on still holding that
+lease, so an attempt that lost it can no longer record anything. A heartbeat
+thread renews the leases of the attempts running in this process, so a lease
+can be short (tens of seconds) and a run whose process was killed resumes
+within about one lease.
+
+Owner strings look like ``host|machine|pid|token``. ``machine`` identifies
+one running kernel and PID namespace (boot id and namespace inode on Linux),
+so "same machine, process gone" can be decided safely and the run taken over
+at once; everywhere else a takeover waits for the lease to expire.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ._store import Store
+
+logger = logging.getLogger("celery_duraflow.lease")
+
+_machine_id: str | None = None
+
+
+def machine_id() -> str:
+    """An identity of this kernel and PID namespace; empty when it cannot be known."""
+    global _machine_id
+    if _machine_id is None:
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+            namespace = os.stat("/proc/self/ns/pid").st_ino
+            _machine_id = f"{boot}:{namespace}"
+        except OSError:
+            _machine_id = ""
+    return _machine_id
+
+
+def new_owner() -> str:
+    """A fresh owner identity for one attempt."""
+    host = socket.gethostname().replace("|", "_")[:80]
+    return f"{host}|{machine_id()}|{os.getpid()}|{uuid.uuid4().hex[:12]}"
+
+
+def owner_is_gone(owner: str | None) -> bool:
+    """True only when ``owner`` was a process on this machine that no longer exists."""
+    if not owner:
+        return False
+    parts = owner.split("|")
+    if len(parts) != 4:
+        return False
+    _host, machine, pid_text, _token = parts
+    if not machine or machine != machine_id():
+        return False
+    try:
+        pid = int(pid_text)
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        # This process: the owner is another attempt in it, alive by definition.
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    # The pid exists; a zombie (killed, not yet reaped by its parent) is gone too.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("Z", "X")
+
+
+@dataclass
+class _Held:
+    owner: str
+    count: int = 1
+
+
+class LeaseKeeper:
+    """Renews, from one daemon thread per process, the leases held by running attempts."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # (store, task id) -> the owner and how many attempts of this process hold it
+        # (more than one only for an eager retry nested in its caller's attempt).
+        self._held: dict[tuple[Store, str], _Held] = {}
+        self._lost: set[tuple[str, str]] = set()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def hold(self, store: Store, task_id: str, owner: str) -> None:
+        with self._lock:
+            self._ensure_thread()
+            entry = self._held.get((store, task_id))
+            if entry is not None and entry.owner == owner:
+                entry.count += 1
+            else:
+                self._held[(store, task_id)] = _Held(owner)
+
+    def release(self, store: Store, task_id: str, owner: str) -> None:
+        with self._lock:
+            entry = self._held.get((store, task_id))
+            if entry is None or entry.owner != owner:
+                return
+            entry.count -= 1
+            if entry.count <= 0:
+                del self._held[(store, task_id)]
+                self._lost.discard((task_id, owner))
+
+    def lost(self, task_id: str, owner: str) -> bool:
+        """True once a renewal found the lease held by someone else."""
+        return (task_id, owner) in self._lost
+
+    def _ensure_thread(self) -> None:
+        if self._pid != os.getpid():
+            # Forked: the parent's thread does not exist here, nor do its leases.
+            self._held.clear()
+            self._lost.clear()
+            self._thread = None
+            self._pid = os.getpid()
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="duraflow-lease-keeper",
+                                            daemon=True)
+            self._thread.start()
+
+    def renew_now(self) -> None:
+        """Renew every held lease once (the thread's loop body; also for tests)."""
+        with self._lock:
+            by_store: dict[Store, list[tuple[str, str]]] = {}
+            for (store, task_id), entry in self._held.items():
+                by_store.setdefault(store, []).append((task_id, entry.owner))
+        for store, leases in by_store.items():
+            try:
+                kept = store.renew_leases(leases)
+            except Exception:
+                # The database may be down for a moment; the next beat tries again.
+                logger.warning("could not renew %d run lease(s)", len(leases), exc_info=True)
+                continue
+            with self._lock:
+                for lease in leases:
+                    if lease not in kept and (store, lease[0]) in self._held:
+                        logger.warning("task %s lost its lease to another owner", lease[0])
+                        self._lost.add(lease)
+
+    def _interval(self) -> float:
+        with self._lock:
+            stores = {store for store, _ in self._held}
+        if not stores:
+            return 1.0
+        return max(0.2, min(store.config.lease_seconds for store in stores) / 3)
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(self._interval())
+            self._wake.clear()
+            self.renew_now()
+
+
+_keeper: LeaseKeeper | None = None
+_keeper_lock = threading.Lock()
+
+
+def keeper() -> LeaseKeeper:
+    """The process's :class:`LeaseKeeper`."""
+    global _keeper
+    if _keeper is None:
+        with _keeper_lock:
+            if _keeper is None:
+                _keeper = LeaseKeeper()
+    return _keeper
+
