@@ -9,6 +9,7 @@
         ...
 """
 
+from ._recovery import recover, recovery_beat_entry
 from ._rewrite import durable
 from ._step import StepContext, step
 from ._task import DurableTask
@@ -48,5 +49,7 @@ __all__ = [
     "__version__",
     "durable",
     "get_run",
+    "recover",
+    "recovery_beat_entry",
     "step",
 ]

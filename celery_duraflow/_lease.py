@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -83,6 +84,14 @@ def owner_is_gone(owner: str | None) -> bool:
     return state in ("Z", "X")
 
 
+_IDLE = 1.0
+
+
+def _beat(store: Store) -> float:
+    """How often a lease of this store is renewed: three times per lease."""
+    return max(0.2, store.config.lease_seconds / 3)
+
+
 @dataclass
 class _Held:
     owner: str
@@ -99,6 +108,8 @@ class LeaseKeeper:
         self._held: dict[tuple[Store, str], _Held] = {}
         self._lost: set[tuple[str, str]] = set()
         self._wake = threading.Event()
+        # How long the thread is currently sleeping between renewals.
+        self._waiting = _IDLE
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
 
@@ -110,6 +121,9 @@ class LeaseKeeper:
                 entry.count += 1
             else:
                 self._held[(store, task_id)] = _Held(owner)
+            if _beat(store) < self._waiting:
+                # The thread sleeps longer than this lease allows: make it start over.
+                self._wake.set()
 
     def release(self, store: Store, task_id: str, owner: str) -> None:
         with self._lock:
@@ -156,18 +170,21 @@ class LeaseKeeper:
                         logger.warning("task %s lost its lease to another owner", lease[0])
                         self._lost.add(lease)
 
-    def _interval(self) -> float:
-        with self._lock:
-            stores = {store for store, _ in self._held}
-        if not stores:
-            return 1.0
-        return max(0.2, min(store.config.lease_seconds for store in stores) / 3)
-
     def _loop(self) -> None:
+        last = time.monotonic()
         while True:
-            self._wake.wait(self._interval())
-            self._wake.clear()
+            with self._lock:
+                beats = [_beat(store) for store, _ in self._held]
+                self._waiting = min(beats) if beats else _IDLE
+            due = last + self._waiting
+            now = time.monotonic()
+            if now < due:
+                # Woken early when a lease that needs renewing sooner arrives.
+                if self._wake.wait(due - now):
+                    self._wake.clear()
+                continue
             self.renew_now()
+            last = time.monotonic()
 
 
 _keeper: LeaseKeeper | None = None

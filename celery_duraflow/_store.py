@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select as select_module
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -192,6 +193,30 @@ def _sqlite_engine_events(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def _postgres_engine_events(engine: Engine) -> None:
+    """Notice, at no cost, pooled connections the server closed while they sat idle.
+
+    When PostgreSQL restarts it tells every connection so and closes it; an
+    idle pooled connection then has data or EOF waiting on its socket. A
+    zero-timeout select() at checkout sees that and makes the pool open a
+    fresh connection, so the first statement after an outage succeeds,
+    without the extra round trip of ``pool_pre_ping``.
+    """
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+        try:
+            if dbapi_conn.closed or dbapi_conn.broken:
+                raise DisconnectionError("the connection is closed")
+            readable, _, _ = select_module.select([dbapi_conn.pgconn.socket], [], [], 0)
+        except DisconnectionError:
+            raise
+        except Exception as exc:
+            raise DisconnectionError(f"the connection is unusable: {exc}") from exc
+        if readable:
+            raise DisconnectionError("the server closed the connection while it was idle")
+
+
 class Store:
     """Reads and writes runs and steps for one configuration."""
 
@@ -242,6 +267,8 @@ class Store:
             ) from None
         if self.dialect == "sqlite":
             _sqlite_engine_events(engine)
+        elif self.dialect == "postgresql" and url.get_driver_name() == "psycopg":
+            _postgres_engine_events(engine)
         return engine
 
     def dispose_after_fork(self) -> None:
@@ -481,7 +508,9 @@ class Store:
             update(runs)
             .where(runs.c.task_id == run.task_id, runs.c.status == RUNNING,
                    runs.c.lease_expires_at == run.lease_expires_at)
-            .values(lease_expires_at=now + timedelta(seconds=grace),
+            # No owner, so the re-sent delivery can take the run at once; an expiry, so
+            # that no other sweep sends it again before that delivery had its chance.
+            .values(lease_owner=None, lease_expires_at=now + timedelta(seconds=grace),
                     recoveries=runs.c.recoveries + 1, updated_at=now)
         )
         with self._write("marking a lost run for recovery", run.task_id) as conn:
@@ -596,6 +625,7 @@ def store_for(config: Config) -> Store:
         config.database_url.render_as_string(hide_password=False),
         config.table_prefix,
         config.auto_migrate,
+        config.lease_seconds,
         tuple(sorted((k, repr(v)) for k, v in config.engine_options.items())),
     )
     store = _stores.get(key)

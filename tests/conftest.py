@@ -156,3 +156,41 @@ def run_worker(app: Celery, *, pool: str = "solo", concurrency: int = 1) -> Iter
     with start_worker(app, pool=pool, concurrency=concurrency, perform_ping_check=False,
                       loglevel="WARNING", shutdown_timeout=10.0) as worker:
         yield worker
+
+
+def _pg_cluster() -> list[str]:
+    versions = sorted(os.listdir("/etc/postgresql"))
+    return [versions[-1], "main"]
+
+
+def _pg_ready(timeout: float) -> bool:
+    import subprocess
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", "5432"],
+                          check=False).returncode == 0:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@contextmanager
+def postgres_stopped() -> Iterator[None]:
+    """Stop the local PostgreSQL server for the duration of the block; always restart it."""
+    import shutil
+    import subprocess
+
+    if shutil.which("pg_ctlcluster") is None or not os.path.isdir("/etc/postgresql"):
+        pytest.skip("needs a local PostgreSQL cluster managed by pg_ctlcluster")
+    cluster = _pg_cluster()
+    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "stop",
+                    "-m", "fast"], check=True, capture_output=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "start"],
+                       check=False, capture_output=True)
+        if not _pg_ready(60):
+            pytest.fail("PostgreSQL did not come back after the outage", pytrace=False)

@@ -1,0 +1,277 @@
+"""One owner per run: leases, takeovers, duplicates, argument checks, in-doubt steps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import select, update
+
+from celery_duraflow import (
+    DurableTask,
+    RunArgumentsMismatch,
+    StepInDoubt,
+    get_run,
+    recover,
+    recovery_beat_entry,
+    step,
+)
+from celery_duraflow._config import config_for_app
+from celery_duraflow._lease import keeper, machine_id, new_owner, owner_is_gone
+from celery_duraflow._serialization import encode_arguments, get_serializer
+from celery_duraflow._store import Delivery, Store, store_for
+from tests.conftest import run_worker
+
+
+def _store(app: Celery) -> Store:
+    return store_for(config_for_app(app))
+
+
+def _set_run(app: Celery, task_id: str, **values: Any) -> None:
+    store = _store(app)
+    runs = store.tables.runs
+    with store.engine.begin() as conn:
+        conn.execute(update(runs).where(runs.c.task_id == task_id).values(**values))
+
+
+def _interrupted_run(app: Celery, task: Any, args: tuple[Any, ...], *, owner: str,
+                     lease_expires_at: datetime, steps: dict[str, str]) -> str:
+    """A run as a worker that died mid-run leaves it: running, leased, steps recorded."""
+    store = _store(app)
+    task_id = str(uuid.uuid4())
+    blob, fingerprint = encode_arguments(args, {}, get_serializer("json"))
+    store.begin_attempt(task_id, Delivery(task_name=task.name, owner=owner, args=blob,
+                                          args_fingerprint=fingerprint))
+    for key, status in steps.items():
+        claim = store.claim_step(task_id, key, owner, None)
+        assert claim is not None
+        if status == "completed":
+            assert store.complete_step(claim, owner, '"stored"', "json")
+    _set_run(app, task_id, lease_expires_at=lease_expires_at)
+    return task_id
+
+
+def _dead_owner() -> str:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    parts = new_owner().split("|")
+    parts[2] = str(proc.pid)
+    return "|".join(parts)
+
+
+def test_owner_identity() -> None:
+    """Owners on this machine are judged alive or gone by their pid; others never gone."""
+    assert not owner_is_gone(new_owner())  # this very process
+    if machine_id():
+        assert owner_is_gone(_dead_owner())
+    assert not owner_is_gone("elsewhere|other-machine|1|abc")
+    assert not owner_is_gone("garbage")
+    assert not owner_is_gone(None)
+
+
+def _three_step_task(app: Celery, calls: Counter[str]) -> Any:
+    @app.task(base=DurableTask, name="three-steps")
+    def task(n: int) -> str:
+        for name in ("search", "book", "notify"):
+            with step(name) as s:
+                calls[name] += 1
+                s.result = f"{name}-{n}"
+        return str(s.result)
+
+    return task
+
+
+def test_dead_owner_on_this_machine_is_taken_over_at_once(
+        make_app: Callable[..., Celery]) -> None:
+    """A redelivery after the owner process died resumes now, not after the lease."""
+    if not machine_id():
+        pytest.skip("needs /proc to tell whether a process exists")
+    app = make_app()
+    calls: Counter[str] = Counter()
+    task = _three_step_task(app, calls)
+    task_id = _interrupted_run(
+        app, task, (1,), owner=_dead_owner(),
+        lease_expires_at=datetime.now(UTC) + timedelta(hours=1),
+        steps={"search": "completed", "book": "running"})
+    result = task.apply(args=(1,), task_id=task_id)
+    assert result.get() == "notify-1"
+    assert calls == {"book": 1, "notify": 1}  # search was cached; book ran again (in doubt)
+    run = get_run(task_id, app=app)
+    assert run is not None and run.status == "succeeded"
+    assert run.step("book").attempts == 2
+
+
+def test_live_owner_keeps_its_run(make_app: Callable[..., Celery]) -> None:
+    """A duplicate delivery while a live owner holds the lease runs nothing and changes nothing."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+    task = _three_step_task(app, calls)
+    task_id = _interrupted_run(
+        app, task, (1,), owner="another-host|another-machine|4242|abc",
+        lease_expires_at=datetime.now(UTC) + timedelta(minutes=5),
+        steps={"search": "completed"})
+
+    result = task.apply(args=(1,), task_id=task_id)
+    assert result.state == "IGNORED"
+    assert calls == {}
+    run = get_run(task_id, app=app)
+    assert run is not None
+    assert (run.status, run.attempts) == ("running", 1)
+
+
+def test_expired_lease_is_taken_over(make_app: Callable[..., Celery]) -> None:
+    """Once the lease has expired, any delivery may take the run over and finish it."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+    task = _three_step_task(app, calls)
+    task_id = _interrupted_run(
+        app, task, (1,), owner="another-host|another-machine|4242|abc",
+        lease_expires_at=datetime.now(UTC) - timedelta(seconds=1),
+        steps={"search": "completed", "book": "completed"})
+
+    assert task.apply(args=(1,), task_id=task_id).get() == "notify-1"
+    assert calls == {"notify": 1}
+
+
+def test_heartbeat_keeps_a_long_step_leased(make_app: Callable[..., Celery]) -> None:
+    """A step longer than the lease keeps it renewed; a duplicate meanwhile is turned away."""
+    app = make_app(duraflow_lease_seconds=1)
+    calls: Counter[str] = Counter()
+    started = threading.Event()
+
+    @app.task(base=DurableTask)
+    def slow() -> str:
+        with step("long") as s:
+            calls["long"] += 1
+            started.set()
+            time.sleep(2.5)
+            s.result = "done"
+        return str(s.result)
+
+    # A 30 s lease held elsewhere in this process sets the renewal thread on a slow beat;
+    # the 1 s lease must still be renewed in time.
+    long_lease_store = _store(make_app(duraflow_lease_seconds=30))
+    keeper().hold(long_lease_store, "placeholder", "nobody")
+    time.sleep(0.3)
+    task_id = str(uuid.uuid4())
+    outcome: list[Any] = []
+    first = threading.Thread(target=lambda: outcome.append(slow.apply(task_id=task_id)))
+    try:
+        first.start()
+        assert started.wait(10)
+        time.sleep(1.6)  # past the first lease: only renewals keep it
+        duplicate = slow.apply(task_id=task_id)
+        first.join(30)
+    finally:
+        keeper().release(long_lease_store, "placeholder", "nobody")
+    assert duplicate.state == "IGNORED"
+    assert outcome[0].get() == "done"
+    assert calls["long"] == 1
+
+
+def test_same_id_other_arguments_is_refused(make_app: Callable[..., Celery]) -> None:
+    """A task id re-sent with other arguments does not reuse the recorded steps."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+    task = _three_step_task(app, calls)
+    task_id = str(uuid.uuid4())
+    assert task.apply(args=(1,), task_id=task_id).get() == "notify-1"
+
+    other = task.apply(args=(2,), task_id=task_id)
+    assert isinstance(other.result, RunArgumentsMismatch)
+    assert task_id in str(other.result)
+    assert other.result.task_id == task_id
+    # The same arguments (a list now, as a broker would deliver them) are fine.
+    assert task.apply(args=[1], task_id=task_id).get() == "notify-1"
+    assert calls == {"search": 1, "book": 1, "notify": 1}
+
+    @app.task(base=DurableTask, name="another-task")
+    def another(n: int) -> None:
+        pass
+
+    assert isinstance(another.apply(args=(1,), task_id=task_id).result, RunArgumentsMismatch)
+
+
+def test_in_doubt_step_can_ask_for_a_human(make_app: Callable[..., Celery]) -> None:
+    """on_in_doubt='raise' refuses to re-run an interrupted step and says what to check."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+
+    @app.task(base=DurableTask, name="careful")
+    def careful(n: int) -> None:
+        with step("wire-money", on_in_doubt="raise"):
+            calls["wire"] += 1
+
+    task_id = _interrupted_run(
+        app, careful, (1,), owner="another-host|another-machine|4242|abc",
+        lease_expires_at=datetime.now(UTC) - timedelta(seconds=1),
+        steps={"wire-money": "running"})
+    result = careful.apply(args=(1,), task_id=task_id)
+    assert isinstance(result.result, StepInDoubt)
+    assert result.result.step_key == "wire-money"
+    assert "idempotency key" in str(result.result)
+    assert calls == {}
+    run = get_run(task_id, app=app)
+    assert run is not None
+    assert run.step("wire-money").status == "running"  # left for the human
+
+
+def test_recovery_sweep_resends_lost_runs(make_app: Callable[..., Celery]) -> None:
+    """A run whose owner vanished is sent again by the sweep, once, and finishes."""
+    app = make_app(eager=False)
+    calls: Counter[str] = Counter()
+    task = _three_step_task(app, calls)
+    task_id = _interrupted_run(
+        app, task, (7,), owner="another-host|another-machine|4242|abc",
+        lease_expires_at=datetime.now(UTC) - timedelta(seconds=1),
+        steps={"search": "completed", "book": "completed"})
+
+    assert recover(app) == [task_id]
+    assert recover(app) == []  # marked: a second sweeper does not send it again
+    with run_worker(app, pool="solo"):
+        assert app.AsyncResult(task_id).get(timeout=30) == "notify-7"
+    assert calls == {"notify": 1}
+    store = _store(app)
+    with store.engine.connect() as conn:
+        recoveries = conn.execute(select(store.tables.runs.c.recoveries)).scalar()
+    assert recoveries == 1
+
+
+def test_retry_countdown_makes_the_run_recoverable_later(
+        make_app: Callable[..., Celery]) -> None:
+    """A run waiting for Celery's retry is not swept before its countdown and a lease."""
+    app = make_app(task_eager_propagates=True, duraflow_lease_seconds=30)
+
+    @app.task(base=DurableTask, bind=True, max_retries=3)
+    def task(self: DurableTask) -> None:
+        with step("x"):
+            raise self.retry(countdown=600)
+
+    task_id = str(uuid.uuid4())
+    with pytest.raises(Exception, match="Retry"):
+        task.apply(task_id=task_id)
+    store = _store(app)
+    run = store.get_run(task_id)
+    assert run is not None and run.lease_owner is None and run.lease_expires_at is not None
+    remaining = (run.lease_expires_at - datetime.now(UTC)).total_seconds()
+    assert 600 < remaining <= 630
+    assert recover(app) == []
+
+
+def test_recovery_beat_entry() -> None:
+    """The beat entry names the built-in recovery task, which every app knows."""
+    entry = recovery_beat_entry(15)
+    assert entry["task"] == "celery_duraflow.recover"
+    assert entry["schedule"] == 15
+    app = Celery("beat-check", set_as_current=False)
+    app.finalize()
+    assert "celery_duraflow.recover" in app.tasks
