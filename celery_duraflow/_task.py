@@ -27,6 +27,9 @@ from .errors import (
 
 logger = logging.getLogger("celery_duraflow.task")
 
+# How many leases after a retry was due the sweep waits before re-sending it.
+RETRY_GRACE_LEASES = 10
+
 
 class DurableTask(Task):  # type: ignore[misc]
     """Base class for Celery tasks whose steps survive retries.
@@ -96,10 +99,11 @@ class DurableTask(Task):  # type: ignore[misc]
         try:
             result = super().__call__(*args, **kwargs)
         except Retry as exc:
-            # Celery sends the retry itself; if it never arrives, the sweep re-sends the run
-            # once its countdown and a lease have passed.
-            self._release(store, task_id, owner,
-                          recover_after=_seconds_until(exc.when) + config.lease_seconds)
+            # Celery sends the retry itself. Only if it is lost (a broker that dropped it)
+            # does the sweep re-send the run, well after it was due: a retry stuck behind a
+            # long queue is not lost, and sending it twice would only cost a message.
+            self._release(store, task_id, owner, recover_after=_seconds_until(exc.when)
+                          + RETRY_GRACE_LEASES * config.lease_seconds)
             raise
         except Reject as exc:
             self._release(store, task_id, owner,

@@ -6,6 +6,8 @@
   duraflow step store and the project's own ledger tables; required.
 * ``PROJ_TABLE_PREFIX``: the duraflow table prefix, which the ledger tables
   share (``<prefix>charges``, ``<prefix>notify_outages``); default ``proj_``.
+* ``PROJ_LEASE_SECONDS``: ``duraflow_lease_seconds`` (default 30).
+* ``PROJ_EVENT_LOG``: a file the chaos task appends its events to (see :mod:`.chaos`).
 """
 
 from __future__ import annotations
@@ -29,10 +31,11 @@ DATABASE_URL = _required("PROJ_DATABASE_URL")
 TABLE_PREFIX = os.environ.get("PROJ_TABLE_PREFIX") or "proj_"
 
 app = Celery("proj", broker=BROKER_URL, backend=RESULT_BACKEND,
-             include=[f"{__package__}.tasks"])
+             include=[f"{__package__}.tasks", f"{__package__}.chaos"])
 app.conf.update(
     duraflow_database_url=DATABASE_URL,
     duraflow_table_prefix=TABLE_PREFIX,
+    duraflow_lease_seconds=float(os.environ.get("PROJ_LEASE_SECONDS") or 30),
     # A message is acknowledged only once its attempt has ended, so a worker that
     # dies mid-task leaves it to be delivered again.
     task_acks_late=True,
@@ -49,9 +52,10 @@ app.conf.update(
 @worker_init.connect
 def _create_ledger_tables(**_kwargs: object) -> None:
     # The main worker process creates the ledger once, before the pool forks.
-    from .ledger import create_tables
+    from . import chaos, ledger
 
-    create_tables()
+    ledger.create_tables()
+    chaos.create_tables()
 
 
 @worker_process_init.connect

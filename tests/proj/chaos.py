@@ -1,0 +1,107 @@
+"""A booking task instrumented for fault-injection tests.
+
+Every body of a step appends ``start`` and ``end`` events to a plain file
+(``PROJ_EVENT_LOG``), one line per event, written with ``O_APPEND`` so lines
+from many processes never interleave. The file, unlike the database, keeps
+working while PostgreSQL is down, and a killed process simply has no ``end``
+line: the test knows when it killed which pid. From the file the test can tell
+whether any step body ever ran twice at the same time, or ran again after it
+had completed.
+
+Charges go to ``<prefix>chaos_charges`` with the step's idempotency key as a
+unique key, the way a payment API deduplicates: a step re-run because it was
+in doubt (its process died after charging) does not charge twice.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Column, DateTime, MetaData, String, Table
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import OperationalError
+
+from celery_duraflow import DurableTask, StoreUnavailable, step
+
+from .app import TABLE_PREFIX, app
+from .ledger import engine
+
+EVENT_LOG = os.environ.get("PROJ_EVENT_LOG")
+
+METADATA = MetaData()
+CHARGES = Table(
+    f"{TABLE_PREFIX}chaos_charges",
+    METADATA,
+    Column("idempotency_key", String(64), primary_key=True),
+    Column("task_id", String(255), nullable=False),
+    Column("charged_at", DateTime(timezone=True), nullable=False),
+)
+MAIL_FAILURES = Table(
+    f"{TABLE_PREFIX}chaos_mail_failures",
+    METADATA,
+    Column("task_id", String(255), primary_key=True),
+)
+
+
+class MailerUnavailable(Exception):
+    """The simulated mailer fails the first time each run reaches it."""
+
+
+def log_event(*fields: object) -> None:
+    """Append one line ``<time> <pid> <fields...>`` to the event log."""
+    if not EVENT_LOG:
+        return
+    line = " ".join(str(f) for f in (f"{time.time():.6f}", os.getpid(), *fields)) + "\n"
+    fd = os.open(EVENT_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def create_tables() -> None:
+    METADATA.create_all(engine(), checkfirst=True)
+
+
+def _charge(task_id: str, key: str) -> None:
+    with engine().begin() as conn:
+        conn.execute(insert(CHARGES).values(idempotency_key=key, task_id=task_id,
+                                            charged_at=datetime.now(UTC))
+                     .on_conflict_do_nothing())
+
+
+def _mail_fails_first(task_id: str) -> bool:
+    with engine().begin() as conn:
+        inserted = conn.execute(insert(MAIL_FAILURES).values(task_id=task_id)
+                                .on_conflict_do_nothing()
+                                .returning(MAIL_FAILURES.c.task_id)).first()
+    return inserted is not None
+
+
+@app.task(base=DurableTask, bind=True, name="proj.chaos_trip",
+          autoretry_for=(MailerUnavailable, StoreUnavailable, OperationalError),
+          max_retries=50, retry_backoff=False, default_retry_delay=0.2)
+def chaos_trip(self: Any, n: int, fail_notify: bool = True) -> str:
+    """Four steps; book charges, notify fails once. Every body logs start and end."""
+    task_id = self.request.id
+    log_event("deliver", task_id, self.request.retries,
+              int(bool((self.request.delivery_info or {}).get("redelivered"))))
+    for name in ("search", "pick", "book", "notify"):
+        with step(name) as s:
+            log_event("start", task_id, name, int(s.in_doubt))
+            outcome = "error"
+            try:
+                time.sleep(random.uniform(0.01, 0.08))
+                if name == "book":
+                    _charge(task_id, s.idempotency_key)
+                if name == "notify" and fail_notify and _mail_fails_first(task_id):
+                    raise MailerUnavailable(f"mailer down for {task_id}")
+                s.result = f"{name}-{n}"
+                outcome = "ok"
+            finally:
+                log_event("end", task_id, name, outcome)
+    return str(s.result)
