@@ -24,6 +24,10 @@ class RunContext:
     serializer: Serializer
     serializer_name: str
     recorded: dict[str, StepRecord]
+    # The run was taken over from an owner that died: its first unfinished step is in doubt.
+    interrupted: bool = False
+    # Whether this attempt has recorded the end of any step yet.
+    recorded_any: bool = False
     # Occurrences of each step name, counted within its parent step ("" at the top).
     occurrences: dict[tuple[str, str], int] = field(default_factory=dict)
     # Steps entered and not yet exited, innermost last.

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     Column,
     DateTime,
     Engine,
@@ -28,6 +29,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    false,
     func,
     select,
     text,
@@ -74,6 +76,7 @@ def build_tables(prefix: str) -> Tables:
         Column("updated_at", DateTime(timezone=True), nullable=False),
         Column("finished_at", DateTime(timezone=True), nullable=True),
         *_v2_run_columns(),
+        *_v3_run_columns(),
     )
     steps = Table(
         f"{prefix}steps",
@@ -119,6 +122,15 @@ def _v2_run_columns() -> list[Column[object]]:
         Column("routing_key", String(255), nullable=True),
         Column("retries", Integer, nullable=False, server_default="0"),
         Column("recoveries", Integer, nullable=False, server_default="0"),
+    ]
+
+
+def _v3_run_columns() -> list[Column[object]]:
+    return [
+        # True while the run is owned by an attempt that took it over from one that
+        # ended without a word (killed, lost): that attempt's first unfinished step
+        # may have run already, so it is reported in doubt.
+        Column("interrupted", Boolean, nullable=False, server_default=false()),
     ]
 
 
@@ -176,10 +188,16 @@ def _v2_leases(conn: Connection, tables: Tables) -> None:
           tables.runs.c.lease_expires_at).create(conn)
 
 
+def _v3_interrupted(conn: Connection, tables: Tables) -> None:
+    for column in _v3_run_columns():
+        _add_column(conn, tables.runs.name, column)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
     (2, "run leases, arguments and recovery", _v2_leases),
+    (3, "runs remember an interrupted owner", _v3_interrupted),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

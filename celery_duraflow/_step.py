@@ -6,13 +6,14 @@ import logging
 import sys
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from ._context import RunContext, current_run, describe
 from ._lease import keeper
 from ._rewrite import GUARD_NAME
-from ._store import STEP_COMPLETED, STEP_RUNNING, StepRecord
+from ._store import STEP_COMPLETED, STEP_FAILED, STEP_RUNNING, StepRecord
 from .errors import (
     InvalidStepName,
     LeaseLost,
@@ -32,6 +33,9 @@ R = TypeVar("R")
 MAX_NAME_LENGTH = 200
 # Namespace for idempotency keys: uuid5(namespace, "<task id>/<step key>").
 _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d4c1e-2b7a-5d3e-9c4f-0a8b7e6d5c4b")
+
+
+_EPOCH = datetime.fromtimestamp(0, UTC)
 
 
 def _check_name(name: object, ctx: RunContext | None) -> str:
@@ -84,11 +88,13 @@ class StepContext:
     """
 
     __slots__ = (
-        "_claim",
+        "_claimed",
         "_ctx",
         "_entered",
         "_on_in_doubt",
+        "_running",
         "_should_run",
+        "_started_at",
         "attempt",
         "cached",
         "in_doubt",
@@ -117,7 +123,9 @@ class StepContext:
         self.cached = False
         self.in_doubt = False
         self.attempt = 0
-        self._claim: StepRecord | None = None
+        self._claimed = False
+        self._running = False
+        self._started_at = _EPOCH
         self._entered = False
         self._should_run = True
 
@@ -193,31 +201,43 @@ class StepContext:
         if prior is not None and prior.status == STEP_COMPLETED:
             self._use_stored(prior)
         else:
-            self.in_doubt = prior is not None and prior.status == STEP_RUNNING
+            # In doubt: a claimed row that never ended, or, in a run taken over from an
+            # owner that died, an unfinished step reached before this attempt has recorded
+            # anything (the dead owner was in it, or had not reached it: we cannot tell).
+            self.in_doubt = (prior is not None and prior.status == STEP_RUNNING) or (
+                ctx.interrupted and not ctx.recorded_any)
             if self.in_doubt and self._on_in_doubt == "raise":
                 raise StepInDoubt(
-                    f"step {self.key!r} of task {ctx.task_id} was started by an earlier attempt "
-                    "that never recorded how it ended, and the step says on_in_doubt='raise'. "
-                    "Find out whether its side effect happened (its idempotency key is "
-                    f"{self.idempotency_key}), then record the step's output or let it run "
-                    "again.",
+                    f"step {self.key!r} of task {ctx.task_id} may have been started by an "
+                    "earlier attempt that never recorded how it ended, and the step says "
+                    "on_in_doubt='raise'. Find out whether its side effect happened (its "
+                    f"idempotency key is {self.idempotency_key}), then record the step's "
+                    "output or let it run again.",
                     task_id=ctx.task_id,
                     step_key=self.key,
                 )
-            claim = ctx.store.claim_step(ctx.task_id, self.key, ctx.owner, prior)
-            if claim is None:
-                self._use_stored(self._lost_claim())
-            else:
-                self._claim = claim
+            self.attempt = (prior.attempts if prior is not None else 0) + 1
+            ctx.store.check_reachable(ctx.task_id, self.key)
+            if self._on_in_doubt == "raise":
+                # Only this policy needs a record that the body started, to recognise an
+                # interruption later; every other step is written once, when it ends.
+                claim = ctx.store.claim_step(ctx.task_id, self.key, ctx.owner, prior)
+                if claim is None:
+                    self._use_stored(self._lost_claim())
+                    ctx.stack.append(self)
+                    return
+                self._claimed = True
                 self.attempt = claim.attempts
-                if self.in_doubt:
-                    logger.warning(
-                        "step %r of task %s is in doubt: an earlier attempt started it and "
-                        "never recorded its end; running it again (attempt %d) with the same "
-                        "idempotency key", self.key, ctx.task_id, self.attempt)
-                else:
-                    logger.debug("step %r of task %s: running (attempt %d)",
-                                 self.key, ctx.task_id, self.attempt)
+            self._started_at = datetime.now(UTC)
+            self._running = True
+            if self.in_doubt:
+                logger.warning(
+                    "step %r of task %s is in doubt: an earlier attempt may have run it without "
+                    "recording its end; running it (attempt %d) with the same idempotency key",
+                    self.key, ctx.task_id, self.attempt)
+            else:
+                logger.debug("step %r of task %s: running (attempt %d)",
+                             self.key, ctx.task_id, self.attempt)
         ctx.stack.append(self)
 
     def _lease_lost(self) -> LeaseLost:
@@ -260,15 +280,14 @@ class StepContext:
             ctx.stack.pop()
         elif self in ctx.stack:  # pragma: no cover - a generator left a step open
             ctx.stack.remove(self)
-        claim = self._claim
-        if claim is None:
+        if not self._running:
             return  # cached: nothing to record
-        self._claim = None
+        self._running = False
         if exc is not None:
             try:
-                ctx.store.fail_step(claim, ctx.owner, _error_text(exc))
-            except StoreUnavailable:
-                # Keep the user's exception; the step stays "running" and is in doubt next time.
+                self._record(STEP_FAILED, error=_error_text(exc))
+            except (StoreUnavailable, LeaseLost):
+                # Keep the user's exception; the next attempt treats the step as in doubt.
                 logger.warning("could not record the failure of step %r of task %s",
                                self.key, ctx.task_id, exc_info=True)
             logger.debug("step %r of task %s: failed (%s)", self.key, ctx.task_id,
@@ -278,8 +297,7 @@ class StepContext:
             data = ctx.serializer.dumps(self.result)
             value = ctx.serializer.loads(data)
         except Exception as error:
-            ctx.store.fail_step(claim, ctx.owner,
-                                f"output not serializable: {_error_text(error)}")
+            self._record(STEP_FAILED, error=f"output not serializable: {_error_text(error)}")
             raise StepOutputNotSerializable(
                 f"the output of step {self.key!r} in task {ctx.task_id} cannot be stored with "
                 f"the {ctx.serializer_name!r} serializer ({error}); the output was "
@@ -288,17 +306,40 @@ class StepContext:
                 task_id=ctx.task_id,
                 step_key=self.key,
             ) from error
-        if not ctx.store.complete_step(claim, ctx.owner, data, ctx.serializer_name):
+        self._record(STEP_COMPLETED, output=data)
+        # Hand back what a replay will see, so the first attempt and replays agree.
+        self.result = value
+        logger.debug("step %r of task %s: completed", self.key, ctx.task_id)
+
+    def _record(self, status: str, *, output: str | None = None,
+                error: str | None = None) -> None:
+        ctx = self._ctx
+        if not ctx.store.record_step(
+                ctx.task_id, self.key, ctx.owner, status=status, started_at=self._started_at,
+                output=output, serializer=ctx.serializer_name if output is not None else None,
+                error=error, claimed=self._claimed):
+            self._lost_record()
+        ctx.recorded_any = True
+
+    def _lost_record(self) -> None:
+        """The end of the step could not be written: say why."""
+        ctx = self._ctx
+        run = ctx.store.get_run(ctx.task_id)
+        if run is None or run.lease_owner != ctx.owner:
             raise LeaseLost(
-                f"step {self.key!r} of task {ctx.task_id} finished, but another attempt took "
-                "the run over meanwhile, so this attempt's output was not recorded. The new "
+                f"step {self.key!r} of task {ctx.task_id} ended, but another attempt took "
+                "the run over meanwhile, so this attempt's result was not recorded. The new "
                 "owner decides what happens to the step; nothing needs to be done.",
                 task_id=ctx.task_id,
                 step_key=self.key,
             )
-        # Hand back what a replay will see, so the first attempt and replays agree.
-        self.result = value
-        logger.debug("step %r of task %s: completed", self.key, ctx.task_id)
+        raise StepConflict(
+            f"step {self.key!r} of task {ctx.task_id} was completed by another attempt of the "
+            "same task id while this one ran it; the recorded output stands and this "
+            "attempt's was not stored.",
+            task_id=ctx.task_id,
+            step_key=self.key,
+        )
 
 
 def _decode(ctx: RunContext, record: StepRecord) -> Any:

@@ -11,6 +11,7 @@ trip and one commit; there is no BEGIN/COMMIT pair around them.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import select as select_module
@@ -24,6 +25,7 @@ from typing import Any
 from sqlalchemy import (
     Engine,
     and_,
+    bindparam,
     case,
     create_engine,
     event,
@@ -65,7 +67,14 @@ STEP_RUNNING = "running"
 STEP_COMPLETED = "completed"
 STEP_FAILED = "failed"
 
-_UNAVAILABLE = (OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)
+_UNAVAILABLE: tuple[type[Exception], ...] = (
+    OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)
+try:  # the hot path runs some statements on the psycopg connection itself
+    import psycopg
+
+    _UNAVAILABLE += (psycopg.OperationalError, psycopg.InterfaceError)
+except ImportError:  # pragma: no cover - psycopg is a dependency
+    pass
 
 
 def _utc(value: datetime | None) -> datetime | None:
@@ -97,6 +106,7 @@ class RunRecord:
     routing_key: str | None = None
     retries: int = 0
     recoveries: int = 0
+    interrupted: bool = False
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:
@@ -120,6 +130,7 @@ class RunRecord:
             routing_key=m["routing_key"],
             retries=m["retries"],
             recoveries=m["recoveries"],
+            interrupted=bool(m["interrupted"]),
         )
 
 
@@ -153,18 +164,21 @@ class StepRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> StepRecord:
-        m = row._mapping
+        return cls.from_mapping(row._mapping)
+
+    @classmethod
+    def from_mapping(cls, m: Any, prefix: str = "") -> StepRecord:
         return cls(
-            id=m["id"],
-            task_id=m["task_id"],
-            key=m["step_key"],
-            status=m["status"],
-            attempts=m["attempts"],
-            output=m["output"],
-            serializer=m["serializer"],
-            error=m["error"],
-            started_at=_utc(m["started_at"]),  # type: ignore[arg-type]
-            completed_at=_utc(m["completed_at"]),
+            id=m[f"{prefix}id"],
+            task_id=m[f"{prefix}task_id"],
+            key=m[f"{prefix}step_key"],
+            status=m[f"{prefix}status"],
+            attempts=m[f"{prefix}attempts"],
+            output=m[f"{prefix}output"],
+            serializer=m[f"{prefix}serializer"],
+            error=m[f"{prefix}error"],
+            started_at=_utc(m[f"{prefix}started_at"]),  # type: ignore[arg-type]
+            completed_at=_utc(m[f"{prefix}completed_at"]),
         )
 
 
@@ -223,16 +237,13 @@ class Store:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.tables: Tables = build_tables(config.table_prefix)
+        self.dialect: str = config.database_url.get_backend_name()
         self._engine: Engine | None = None
         self._engine_pid: int | None = None
         self._schema_ready = False
         self._lock = threading.Lock()
 
     # -- engine and schema ---------------------------------------------------------------
-
-    @property
-    def dialect(self) -> str:
-        return self.config.database_url.get_backend_name()
 
     @property
     def engine(self) -> Engine:
@@ -257,6 +268,10 @@ class Store:
             connect_args.setdefault("check_same_thread", False)
             connect_args.setdefault("timeout", 30)
             options["connect_args"] = connect_args
+        if self.dialect == "postgresql":
+            # Every write is one statement that commits on its own: autocommit, so there
+            # is no BEGIN or COMMIT round trip. Migrations ask for transactions explicitly.
+            options.setdefault("isolation_level", "AUTOCOMMIT")
         try:
             engine = create_engine(url, **options)
         except (NoSuchModuleError, ImportError, TypeError, ValueError) as exc:
@@ -270,6 +285,12 @@ class Store:
         elif self.dialect == "postgresql" and url.get_driver_name() == "psycopg":
             _postgres_engine_events(engine)
         return engine
+
+    def _transactional(self) -> Engine:
+        """The engine with real transactions, for migrations (the hot path autocommits)."""
+        if self.dialect == "postgresql":
+            return self.engine.execution_options(isolation_level="READ COMMITTED")
+        return self.engine
 
     def dispose_after_fork(self) -> None:
         """Drop connections inherited from a parent process without closing them."""
@@ -294,7 +315,7 @@ class Store:
             return
         with self._unavailable("preparing the schema", task_id, step_key):
             if self.config.auto_migrate:
-                migrate(self.engine, self.tables, self.config.table_prefix)
+                migrate(self._transactional(), self.tables, self.config.table_prefix)
             else:
                 with self.engine.connect() as conn:
                     version = current_version(conn, self.tables)
@@ -309,7 +330,7 @@ class Store:
     def migrate(self) -> list[int]:
         """Apply pending migrations now; return the versions applied."""
         with self._unavailable("migrating the schema"):
-            applied = migrate(self.engine, self.tables, self.config.table_prefix)
+            applied = migrate(self._transactional(), self.tables, self.config.table_prefix)
         self._schema_ready = True
         return applied
 
@@ -339,9 +360,9 @@ class Store:
         self.ensure_schema(task_id, step_key)
         with self._unavailable(action, task_id, step_key):
             if self.dialect == "postgresql":
-                # One statement, committed by the server on its own: no BEGIN, no COMMIT.
+                # One statement, committed by the server on its own (an autocommit engine).
                 with self.engine.connect() as conn:
-                    yield conn.execution_options(isolation_level="AUTOCOMMIT")
+                    yield conn
             else:
                 with self.engine.begin() as conn:
                     yield conn
@@ -351,9 +372,23 @@ class Store:
               step_key: str | None = None) -> Iterator[Connection]:
         self.ensure_schema(task_id, step_key)
         with self._unavailable(action, task_id, step_key), self.engine.connect() as conn:
-            if self.dialect == "postgresql":
-                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
             yield conn
+
+    def check_reachable(self, task_id: str, step_key: str) -> None:
+        """Raise StoreUnavailable if the database is visibly gone, before a step's body runs.
+
+        Taking a connection from the pool runs the checkout check above: a
+        server that shut down or restarted has closed the pooled connections,
+        and if a new one cannot be opened the step stops here, with nothing
+        run. It costs no round trip. A network that fails silently is only
+        noticed when the step's end is written; that step is then in doubt.
+        """
+        if self.dialect != "postgresql":
+            return
+        self.ensure_schema(task_id, step_key)
+        with self._unavailable("checking the connection", task_id, step_key), \
+                self.engine.connect():
+            pass
 
     def _insert(self, table: Any) -> Any:
         dialect = postgresql if self.dialect == "postgresql" else sqlite
@@ -361,14 +396,18 @@ class Store:
 
     # -- runs ----------------------------------------------------------------------------
 
-    def begin_attempt(self, task_id: str, delivery: Delivery) -> RunRecord:
-        """Record an attempt and take the run's lease, in one statement.
+    def begin_attempt(self, task_id: str,
+                      delivery: Delivery) -> tuple[RunRecord, dict[str, StepRecord] | None]:
+        """Record an attempt and take the run's lease; on PostgreSQL, load its steps too.
 
-        The row is always returned; the caller compares ``lease_owner`` with
-        its own identity to learn whether it got the lease. A run that
+        The run's row is always returned; the caller compares ``lease_owner``
+        with its own identity to learn whether it got the lease. A run that
         already succeeded, a run leased to a live owner, and a run recorded
         with other arguments or under another task name are returned
-        unchanged.
+        unchanged. On PostgreSQL the same round trip returns the run's
+        recorded steps when the lease was taken (a data-modifying CTE joined
+        to the steps); elsewhere, and when the lease was not taken, the steps
+        are ``None``.
         """
         runs = self.tables.runs
         now = _now()
@@ -390,16 +429,35 @@ class Store:
             self._insert(runs)
             .values(task_id=task_id, created_at=now, recoveries=0,
                     **{**values, "attempts": 1, "args": delivery.args,
-                       "args_fingerprint": delivery.args_fingerprint})
+                       "args_fingerprint": delivery.args_fingerprint, "interrupted": False})
         )
         stmt = stmt.on_conflict_do_update(
             index_elements=[runs.c.task_id],
             set_={name: case((acquire, value), else_=runs.c[name])
                   for name, value in values.items()},
         ).returning(*runs.c)
+        if self.dialect != "postgresql":
+            with self._write("starting an attempt", task_id) as conn:
+                row = conn.execute(stmt).one()
+            return RunRecord.from_row(row), None
+
+        steps = self.tables.steps
+        attempt = stmt.cte("attempt")
+        query = (
+            select(attempt, *[c.label(f"step_{c.name}") for c in steps.c])
+            .select_from(attempt.outerjoin(steps, and_(
+                steps.c.task_id == attempt.c.task_id,
+                attempt.c.lease_owner == delivery.owner)))
+            .order_by(steps.c.started_at, steps.c.id)
+        )
         with self._write("starting an attempt", task_id) as conn:
-            row = conn.execute(stmt).one()
-        return RunRecord.from_row(row)
+            rows = conn.execute(query).all()
+        run = RunRecord.from_row(rows[0])
+        if run.lease_owner != delivery.owner:
+            return run, None
+        loaded = [StepRecord.from_mapping(row._mapping, prefix="step_")
+                  for row in rows if row._mapping["step_id"] is not None]
+        return run, {record.key: record for record in loaded}
 
     def _acquired_values(self, delivery: Delivery, now: datetime,
                          expires: datetime) -> dict[str, Any]:
@@ -420,6 +478,11 @@ class Store:
             "exchange": delivery.exchange,
             "routing_key": delivery.routing_key,
             "retries": delivery.retries,
+            # Taking the run from another owner that never let go of it means that
+            # owner died (or froze) mid-attempt.
+            "interrupted": or_(runs.c.interrupted,
+                               and_(runs.c.lease_owner.is_not(None),
+                                    runs.c.lease_owner != delivery.owner)),
         }
 
     def take_over(self, task_id: str, dead_owner: str, delivery: Delivery) -> RunRecord | None:
@@ -448,7 +511,8 @@ class Store:
             .where(runs.c.task_id == task_id, runs.c.lease_owner == owner,
                    runs.c.status != SUCCEEDED)
             .values(status=status, result=result, serializer=serializer, error=error,
-                    updated_at=now, finished_at=now, lease_owner=None, lease_expires_at=None)
+                    updated_at=now, finished_at=now, lease_owner=None, lease_expires_at=None,
+                    interrupted=False)
         )
         with self._write(f"recording the run as {status}", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
@@ -467,7 +531,8 @@ class Store:
         stmt = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
-            .values(lease_owner=None, lease_expires_at=expires, updated_at=now)
+            .values(lease_owner=None, lease_expires_at=expires, updated_at=now,
+                    interrupted=False)
         )
         with self._write("releasing the run's lease", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
@@ -511,7 +576,8 @@ class Store:
             # No owner, so the re-sent delivery can take the run at once; an expiry, so
             # that no other sweep sends it again before that delivery had its chance.
             .values(lease_owner=None, lease_expires_at=now + timedelta(seconds=grace),
-                    recoveries=runs.c.recoveries + 1, updated_at=now)
+                    recoveries=runs.c.recoveries + 1, updated_at=now,
+                    interrupted=or_(runs.c.interrupted, runs.c.lease_owner.is_not(None)))
         )
         with self._write("marking a lost run for recovery", run.task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
@@ -524,14 +590,28 @@ class Store:
 
     # -- steps ---------------------------------------------------------------------------
 
-    def _holds_lease(self, task_id: str, owner: str) -> Any:
-        runs = self.tables.runs
-        return exists().where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
+    def _asynchronous_commit(self) -> Any:
+        """A condition (always true) that turns off synchronous commit for its statement.
+
+        Used for the step claim, a record whose loss in a *database* crash is
+        harmless: the step then simply looks never started and runs again
+        with the same idempotency key, exactly as an in-doubt step would. The
+        claim still commits and is visible at once; only the wait for the
+        WAL flush is skipped, which is most of a commit's cost.
+        ``set_config(..., true)`` lasts until the end of the statement's own
+        transaction, so the session keeps its setting.
+        """
+        if self.dialect != "postgresql":
+            return true()
+        return select(
+            func.set_config("synchronous_commit", "off", true())
+        ).scalar_subquery().is_not(None)
 
     def load_steps(self, task_id: str) -> dict[str, StepRecord]:
         """Every recorded step of a run, by key, in one query."""
         steps = self.tables.steps
-        stmt = select(steps).where(steps.c.task_id == task_id).order_by(steps.c.id)
+        stmt = (select(steps).where(steps.c.task_id == task_id)
+                .order_by(steps.c.started_at, steps.c.id))
         with self._read("loading the recorded steps", task_id) as conn:
             rows = conn.execute(stmt).all()
         return {record.key: record for record in map(StepRecord.from_row, rows)}
@@ -543,70 +623,142 @@ class Store:
             row = conn.execute(stmt).first()
         return StepRecord.from_row(row) if row is not None else None
 
-    def claim_step(self, task_id: str, step_key: str, owner: str,
-                   prior: StepRecord | None) -> StepRecord | None:
-        """Take ownership of a step before its body runs, if this owner holds the run.
+    @functools.cached_property
+    def _step_statements(self) -> dict[str, Any]:
+        """The per-step statements, built once with bound parameters.
 
-        With no earlier row this is the essay's ``INSERT ... ON CONFLICT DO
-        NOTHING RETURNING``; a failed or interrupted row is re-claimed only if
-        it is still exactly as this attempt saw it. ``None`` means the row
-        changed meanwhile or the run's lease is no longer this owner's.
+        Building their expression trees anew for every step would cost more
+        Python time than the database spends on them.
         """
         steps = self.tables.steps
-        now = _now()
-        fence = self._holds_lease(task_id, owner)
-        if prior is None:
-            row_values = select(
-                literal(task_id, steps.c.task_id.type),
-                literal(step_key, steps.c.step_key.type),
-                literal(STEP_RUNNING, steps.c.status.type),
-                literal(1, steps.c.attempts.type),
-                literal(now, steps.c.started_at.type),
-            ).where(fence)
-            stmt = (
+        runs = self.tables.runs
+        fence = exists().where(runs.c.task_id == bindparam("p_task_id"),
+                               runs.c.lease_owner == bindparam("p_owner"))
+        relaxed = self._asynchronous_commit()
+        new_claim = select(
+            bindparam("p_task_id", type_=steps.c.task_id.type),
+            bindparam("p_step_key", type_=steps.c.step_key.type),
+            literal(STEP_RUNNING, steps.c.status.type),
+            literal(1, steps.c.attempts.type),
+            bindparam("p_now", type_=steps.c.started_at.type),
+        ).where(fence, relaxed)
+        statements: dict[str, Any] = {
+            "claim_new": (
                 self._insert(steps)
                 .from_select(["task_id", "step_key", "status", "attempts", "started_at"],
-                             row_values)
+                             new_claim)
                 .on_conflict_do_nothing(index_elements=[steps.c.task_id, steps.c.step_key])
                 .returning(*steps.c)
-            )
-        else:
-            stmt = (
+            ),
+            "claim_again": (
                 update(steps)
-                .where(steps.c.id == prior.id, steps.c.status == prior.status,
-                       steps.c.attempts == prior.attempts, fence)
-                .values(status=STEP_RUNNING, attempts=prior.attempts + 1, started_at=now,
+                .where(steps.c.id == bindparam("p_step_id"),
+                       steps.c.status == bindparam("p_prior_status"),
+                       steps.c.attempts == bindparam("p_prior_attempts"), fence, relaxed)
+                .values(status=STEP_RUNNING, attempts=bindparam("p_attempts"),
                         completed_at=None, error=None)
                 .returning(*steps.c)
-            )
+            ),
+        }
+        for name, condition in (("record", fence), ("record_relaxed", and_(fence, relaxed))):
+            row = select(
+                bindparam("p_task_id", type_=steps.c.task_id.type),
+                bindparam("p_step_key", type_=steps.c.step_key.type),
+                bindparam("p_status", type_=steps.c.status.type),
+                literal(1, steps.c.attempts.type),
+                bindparam("p_output", type_=steps.c.output.type),
+                bindparam("p_serializer", type_=steps.c.serializer.type),
+                bindparam("p_error", type_=steps.c.error.type),
+                bindparam("p_started_at", type_=steps.c.started_at.type),
+                bindparam("p_completed_at", type_=steps.c.completed_at.type),
+            ).where(condition)
+            insert_ = self._insert(steps).from_select(
+                ["task_id", "step_key", "status", "attempts", "output", "serializer", "error",
+                 "started_at", "completed_at"], row)
+            excluded = insert_.excluded
+            statements[name] = insert_.on_conflict_do_update(
+                index_elements=[steps.c.task_id, steps.c.step_key],
+                set_={
+                    "status": excluded.status,
+                    "attempts": steps.c.attempts + bindparam("p_increment"),
+                    "output": excluded.output,
+                    "serializer": excluded.serializer,
+                    "error": excluded.error,
+                    # started_at keeps the first start: steps are listed in that order.
+                    "completed_at": excluded.completed_at,
+                },
+                # A completed step is final: nothing overwrites it.
+                where=steps.c.status != STEP_COMPLETED,
+            ).returning(steps.c.id)
+        return statements
+
+    @functools.cached_property
+    def _compiled_records(self) -> dict[str, tuple[str, dict[str, Any]]]:
+        """The step-end statements compiled once to SQL text, for PostgreSQL.
+
+        Executing them straight on the pooled psycopg connection skips
+        SQLAlchemy's per-execution work (cache key, parameter processing,
+        result wrapping): about a tenth of a millisecond per step, a third of
+        the cost of the commit itself. The SQL is still SQLAlchemy Core's.
+        """
+        compiled_records = {}
+        for name in ("record", "record_relaxed"):
+            compiled = self._step_statements[name].compile(dialect=self.engine.dialect)
+            required = {key: None for key, bind in compiled.binds.items() if bind.required}
+            compiled_records[name] = (compiled.string, compiled.construct_params(required))
+        return compiled_records
+
+    def claim_step(self, task_id: str, step_key: str, owner: str,
+                   prior: StepRecord | None) -> StepRecord | None:
+        """Record that a step's body is about to run, if this owner holds the run.
+
+        Only steps that must be able to tell afterwards that they were
+        interrupted (``on_in_doubt="raise"``) pay for this. With no earlier row
+        it is the essay's ``INSERT ... ON CONFLICT DO NOTHING RETURNING``; a
+        failed row is re-claimed only if it is still exactly as this attempt saw
+        it. ``None`` means the row changed meanwhile or the lease is gone.
+        """
+        statements = self._step_statements
+        params: dict[str, Any] = {"p_task_id": task_id, "p_owner": owner, "p_now": _now()}
+        if prior is None:
+            stmt = statements["claim_new"]
+            params["p_step_key"] = step_key
+        else:
+            stmt = statements["claim_again"]
+            params.update(p_step_id=prior.id, p_prior_status=prior.status,
+                          p_prior_attempts=prior.attempts, p_attempts=prior.attempts + 1)
         with self._write("claiming the step", task_id, step_key) as conn:
-            row = conn.execute(stmt).first()
+            row = conn.execute(stmt, params).first()
         return StepRecord.from_row(row) if row is not None else None
 
-    def complete_step(self, claim: StepRecord, owner: str, output: str, serializer: str) -> bool:
-        """Store a step's output; False if the claim or the run's lease was lost meanwhile."""
-        steps = self.tables.steps
-        stmt = (
-            update(steps)
-            .where(steps.c.id == claim.id, steps.c.status == STEP_RUNNING,
-                   steps.c.attempts == claim.attempts, self._holds_lease(claim.task_id, owner))
-            .values(status=STEP_COMPLETED, output=output, serializer=serializer,
-                    completed_at=_now(), error=None)
-        )
-        with self._write("recording the step output", claim.task_id, claim.key) as conn:
-            return bool(conn.execute(stmt).rowcount)
+    def record_step(self, task_id: str, step_key: str, owner: str, *, status: str,
+                    started_at: datetime, output: str | None = None,
+                    serializer: str | None = None, error: str | None = None,
+                    claimed: bool = False) -> bool:
+        """Write how a step ended, in one statement, if this owner still holds the run.
 
-    def fail_step(self, claim: StepRecord, owner: str, error: str) -> bool:
-        """Mark a claimed step failed with the error text (fenced like completion)."""
-        steps = self.tables.steps
-        stmt = (
-            update(steps)
-            .where(steps.c.id == claim.id, steps.c.status == STEP_RUNNING,
-                   steps.c.attempts == claim.attempts, self._holds_lease(claim.task_id, owner))
-            .values(status=STEP_FAILED, error=error)
-        )
-        with self._write("recording the step failure", claim.task_id, claim.key) as conn:
-            return bool(conn.execute(stmt).rowcount)
+        An upsert on ``(task_id, step_key)``: it creates the row, or updates a
+        failed (or claimed) one, but never a completed one. False means the
+        lease is gone or the step was completed by someone else. A completion
+        commits durably; a failure is written with asynchronous commit, since
+        losing it in a database crash only means the step runs again.
+        """
+        completed = status == STEP_COMPLETED
+        params = {"p_task_id": task_id, "p_owner": owner, "p_step_key": step_key,
+                  "p_status": status, "p_output": output, "p_serializer": serializer,
+                  "p_error": error, "p_started_at": started_at,
+                  "p_completed_at": _now() if completed else None,
+                  # A claimed row already counted this attempt.
+                  "p_increment": 0 if claimed else 1}
+        name = "record" if completed else "record_relaxed"
+        action = "recording the step output" if completed else "recording the step failure"
+        with self._write(action, task_id, step_key) as conn:
+            if self.dialect == "postgresql":
+                sql, defaults = self._compiled_records[name]
+                driver: Any = conn.connection.driver_connection
+                cursor = driver.execute(sql, {**defaults, **params})
+                return cursor.fetchone() is not None
+            return conn.execute(self._step_statements[name], params).first() is not None
 
 
 def _short(exc: BaseException) -> str:

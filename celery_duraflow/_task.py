@@ -17,7 +17,7 @@ from ._lease import keeper, new_owner, owner_is_gone
 from ._rewrite import prepare
 from ._serialization import Serializer, decode, encode_arguments, get_serializer
 from ._signals import install_signal_handlers
-from ._store import FAILED, SUCCEEDED, Delivery, RunRecord, Store, store_for
+from ._store import FAILED, SUCCEEDED, Delivery, RunRecord, StepRecord, Store, store_for
 from .errors import (
     LeaseLost,
     RunArgumentsMismatch,
@@ -68,7 +68,7 @@ class DurableTask(Task):  # type: ignore[misc]
         delivery = self._delivery(owner, args, kwargs, serializer)
 
         try:
-            run = store.begin_attempt(task_id, delivery)
+            run, recorded = store.begin_attempt(task_id, delivery)
         except StoreUnavailable as exc:
             self._come_back_later(exc)
         if run.lease_owner != owner:
@@ -76,25 +76,28 @@ class DurableTask(Task):  # type: ignore[misc]
             if taken is None:
                 return decode(run.result, run.serializer, config.serializer,
                               task_id=task_id, step_key=None)
-            run = taken
+            run, recorded = taken, None
 
         keeper().hold(store, task_id, owner)
         try:
-            return self._attempt(store, config, serializer, run, owner, args, kwargs)
+            return self._attempt(store, config, serializer, run, recorded, owner, args, kwargs)
         finally:
             keeper().release(store, task_id, owner)
 
     def _attempt(self, store: Store, config: Config, serializer: Serializer, run: RunRecord,
-                 owner: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                 recorded: dict[str, StepRecord] | None, owner: str, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
         task_id = run.task_id
-        try:
-            recorded = store.load_steps(task_id)
-        except StoreUnavailable as exc:
-            self._release(store, task_id, owner, recover_after=config.lease_seconds)
-            self._come_back_later(exc)
+        if recorded is None:
+            try:
+                recorded = store.load_steps(task_id)
+            except StoreUnavailable as exc:
+                self._release(store, task_id, owner, recover_after=config.lease_seconds)
+                self._come_back_later(exc)
         ctx = RunContext(task_id=task_id, task_name=self.name, attempt=run.attempts,
                          owner=owner, store=store, serializer=serializer,
-                         serializer_name=config.serializer, recorded=recorded)
+                         serializer_name=config.serializer, recorded=recorded,
+                         interrupted=run.interrupted)
         token = current_run.set(ctx)
         try:
             result = super().__call__(*args, **kwargs)

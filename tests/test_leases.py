@@ -52,10 +52,12 @@ def _interrupted_run(app: Celery, task: Any, args: tuple[Any, ...], *, owner: st
     store.begin_attempt(task_id, Delivery(task_name=task.name, owner=owner, args=blob,
                                           args_fingerprint=fingerprint))
     for key, status in steps.items():
-        claim = store.claim_step(task_id, key, owner, None)
-        assert claim is not None
         if status == "completed":
-            assert store.complete_step(claim, owner, '"stored"', "json")
+            assert store.record_step(task_id, key, owner, status="completed",
+                                     started_at=datetime.now(UTC), output='"stored"',
+                                     serializer="json")
+        else:  # started and never ended, as a claimed step of a dead worker
+            assert store.claim_step(task_id, key, owner, None)
     _set_run(app, task_id, lease_expires_at=lease_expires_at)
     return task_id
 

@@ -7,6 +7,7 @@ import decimal
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -268,7 +269,7 @@ def test_in_doubt_step_runs_again_with_same_key(make_app: Callable[..., Celery])
 
 
 def test_concurrent_claim_is_refused(make_app: Callable[..., Celery]) -> None:
-    """If the step was claimed after this attempt loaded the run, the body does not run."""
+    """A claimed step (on_in_doubt='raise') claimed again meanwhile does not run its body."""
     from celery_duraflow._context import get_current_run
 
     app = make_app()
@@ -280,13 +281,36 @@ def test_concurrent_claim_is_refused(make_app: Callable[..., Celery]) -> None:
         assert ctx is not None
         # Something claims the step between the attempt's load and its claim.
         ctx.store.claim_step(ctx.task_id, "charge", ctx.owner, None)
-        with step("charge"):
+        with step("charge", on_in_doubt="raise"):
             calls["charge"] += 1
 
     result = task.apply()
     assert isinstance(result.result, StepConflict)
     assert result.result.step_key == "charge"
     assert calls["charge"] == 0
+
+
+def test_completed_elsewhere_keeps_the_recorded_output(make_app: Callable[..., Celery]) -> None:
+    """If the step was completed meanwhile, this attempt's output does not replace it."""
+    from celery_duraflow._context import get_current_run
+
+    app = make_app()
+
+    @app.task(base=DurableTask)
+    def task() -> None:
+        with step("charge") as s:
+            ctx = get_current_run()
+            assert ctx is not None
+            ctx.store.record_step(ctx.task_id, "charge", ctx.owner, status="completed",
+                                  started_at=datetime.now(UTC), output='"first"',
+                                  serializer="json")
+            s.result = "second"
+
+    result = task.apply()
+    assert isinstance(result.result, StepConflict)
+    run = get_run(result.id, app=app)
+    assert run is not None
+    assert run.step("charge").result == "first"
 
 
 def test_attempt_that_lost_its_lease_records_nothing(make_app: Callable[..., Celery]) -> None:
@@ -312,7 +336,7 @@ def test_attempt_that_lost_its_lease_records_nothing(make_app: Callable[..., Cel
     run = get_run(result.id, app=app)
     assert run is not None
     assert run.status == "running"  # the new owner decides how it ends
-    assert [(s.key, s.status) for s in run.steps] == [("first", "running")]
+    assert run.steps == ()  # the body ran, but its end was not recorded: fenced out
 
 
 def test_step_outside_a_run_raises(make_app: Callable[..., Celery]) -> None:
