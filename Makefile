@@ -33,3 +33,18 @@ lint: venv
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+# make bench: the benchmarks of issue 4 (BENCHMARKS.md), with the `bench` extra (DBOS,
+# pyinstrument, py-spy) installed on top of the dev one. BENCH_ARGS=--quick for a smoke run,
+# BENCH_ARGS="--only fresh,replay" for a selection; DURAFLOW_BENCH_DATABASE_URL and
+# DURAFLOW_BENCH_BROKER_URL choose the servers.
+BENCH_STAMP := $(VENV)/.installed-bench
+
+.PHONY: bench
+
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,bench]'
+	@touch $@
+
+bench: $(BENCH_STAMP)
+	$(BIN)/python -m benchmarks $(BENCH_ARGS)

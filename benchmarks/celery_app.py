@@ -1,0 +1,73 @@
+"""The Celery app that benchmark workers load: ``celery -A benchmarks.celery_app worker``.
+
+Everything comes from the environment, which :mod:`benchmarks.workers` sets for each
+worker it starts:
+
+* ``BENCH_BROKER_URL``: the broker, also the result backend (Redis);
+* ``BENCH_DATABASE_URL``: the PostgreSQL database of the step store;
+* ``BENCH_TABLE_PREFIX``: the step store's table prefix (the run's own).
+
+Tasks:
+
+* ``bench.durable_steps(n)``: :func:`benchmarks.workload.durable_steps` as a ``DurableTask``;
+* ``bench.plain_steps(n)``: the same work as a plain Celery task;
+* ``bench.rss()``: the resident set size of the process that runs tasks, after a
+  garbage collection.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+from celery import Celery
+
+from celery_duraflow import DurableTask
+
+from . import workload
+from .common import DURABLE_TASK_NAME, PLAIN_TASK_NAME, RSS_TASK_NAME
+
+
+def _required(name: str) -> str:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        raise RuntimeError(f"benchmarks.celery_app needs the environment variable {name}")
+    return value
+
+
+BROKER_URL = _required("BENCH_BROKER_URL")
+
+app = Celery("duraflow-bench", broker=BROKER_URL, backend=BROKER_URL)
+app.conf.update(
+    duraflow_database_url=_required("BENCH_DATABASE_URL"),
+    duraflow_table_prefix=_required("BENCH_TABLE_PREFIX"),
+    broker_connection_retry_on_startup=True,
+    task_serializer="json",
+    result_serializer="json",
+    accept_content=["json"],
+    result_expires=3600,
+    worker_hijack_root_logger=False,
+)
+
+durable_steps = app.task(base=DurableTask, name=DURABLE_TASK_NAME)(workload.durable_steps)
+plain_steps = app.task(name=PLAIN_TASK_NAME)(workload.plain_steps)
+
+
+def read_rss() -> int:
+    """Resident set size of this process in bytes (``VmRSS`` on Linux, else psutil)."""
+    try:
+        with open(f"/proc/{os.getpid()}/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+@app.task(name=RSS_TASK_NAME)
+def rss() -> dict[str, int]:
+    gc.collect()
+    return {"pid": os.getpid(), "rss": read_rss(), "bodies_run": workload.BODIES_RUN[0]}

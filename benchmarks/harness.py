@@ -1,0 +1,776 @@
+"""The benchmark harness: ``python -m benchmarks [--quick] [--only NAMES] [--json FILE]``.
+
+Benchmarks (``--only`` takes a comma-separated list of these names):
+
+``fresh``
+    Runs of N trivial steps (N = 1, 10, 100) applied in this process with a new task id
+    each time, minus the same task with no step, per step, against a raw psycopg
+    autocommit INSERT of one row (the floor) timed in the same rounds.
+``replay``
+    The same runs re-executed with every step completed (the run row set back to
+    ``running``, as if the worker died after the last step): time, per-step cost, and the
+    SQL round trips of one replay; and the re-delivery of a run that already succeeded.
+``dbos``
+    The same N-step workflow in DBOS Transact on the same server, fresh and replayed,
+    taking turns with celery-duraflow and the floor in the same rounds.
+``e2e``
+    Tasks of 10 trivial steps through Redis to a ``celery worker`` (prefork, 2 processes),
+    as DurableTask runs and as plain Celery tasks: throughput of each and the ratio.
+``memory``
+    The RSS of a prefork worker process before and after 10,000 durable runs (and, as a
+    baseline, 10,000 plain tasks in the same process first).
+
+Every benchmark ends with the targets of issue 4, printed as met or NOT met.
+Progress goes to stderr; results go to stdout (and to ``--json FILE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from . import workload
+from .common import (
+    DURABLE_TASK_NAME,
+    PLAIN_TASK_NAME,
+    RSS_TASK_NAME,
+    DuraflowBench,
+    Floor,
+    Samples,
+    count_round_trips,
+    default_broker_url,
+    default_database_url,
+    drop_prefixed_tables,
+    interleaved,
+    libpq_url,
+    log,
+    ms,
+    new_prefix,
+    ratio,
+    table,
+    timed,
+)
+
+BENCHMARKS = ("fresh", "replay", "dbos", "e2e", "memory")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much of everything one mode measures."""
+
+    steps: tuple[int, ...]
+    warmup: int
+    # fresh: runs per round for each N (0 is the empty durable task), floor INSERTs per round
+    fresh_rounds: int
+    fresh_runs: dict[int, int]
+    floor_per_round: int
+    # replay
+    replay_rounds: int
+    replay_runs: dict[int, int]
+    # dbos (each of DBOS and celery-duraflow), forks per N for the DBOS replay
+    dbos_rounds: int
+    dbos_runs: dict[int, int]
+    dbos_forks: int
+    dbos_fork_steps: tuple[int, ...]
+    # e2e
+    e2e_tasks: int
+    e2e_steps: int
+    e2e_rounds: int
+    e2e_warmup: int
+    # memory
+    memory_runs: int
+    memory_steps: int
+    memory_warmup: int
+    memory_samples: int
+
+
+FULL = Sizes(
+    steps=(1, 10, 100), warmup=5,
+    fresh_rounds=5, fresh_runs={0: 100, 1: 100, 10: 40, 100: 6}, floor_per_round=400,
+    replay_rounds=5, replay_runs={0: 60, 1: 60, 10: 40, 100: 20},
+    dbos_rounds=5, dbos_runs={0: 40, 1: 40, 10: 20, 100: 4}, dbos_forks=5,
+    dbos_fork_steps=(1, 10, 100),
+    e2e_tasks=1000, e2e_steps=10, e2e_rounds=3, e2e_warmup=50,
+    memory_runs=10_000, memory_steps=10, memory_warmup=500, memory_samples=5,
+)
+QUICK = Sizes(
+    steps=(1, 10, 100), warmup=1,
+    fresh_rounds=2, fresh_runs={0: 5, 1: 5, 10: 3, 100: 1}, floor_per_round=50,
+    replay_rounds=2, replay_runs={0: 3, 1: 3, 10: 3, 100: 2},
+    dbos_rounds=1, dbos_runs={0: 2, 1: 2, 10: 2, 100: 1}, dbos_forks=1,
+    dbos_fork_steps=(100,),
+    e2e_tasks=20, e2e_steps=10, e2e_rounds=1, e2e_warmup=4,
+    memory_runs=50, memory_steps=10, memory_warmup=10, memory_samples=2,
+)
+
+
+@dataclass
+class Target:
+    """One target of issue 4 and what this run measured for it."""
+
+    title: str
+    limit: str
+    measured: str = "-"
+    status: str = "not run"  # "met", "NOT met", "skipped", "error", "not run"
+    note: str = ""
+
+
+@dataclass
+class Harness:
+    database_url: str
+    broker_url: str
+    sizes: Sizes
+    prefix: str
+    results: dict[str, Any] = field(default_factory=dict)
+    targets: dict[str, Target] = field(default_factory=lambda: {
+        "fresh": Target("fresh step overhead / raw durable commit (worst N)", "<= 1.5x"),
+        "replay": Target("round trips to replay a run of 100 completed steps", "<= 2"),
+        "dbos": Target("DBOS per-step overhead / celery-duraflow's (worst N)", ">= 4x"),
+        "memory": Target("worker RSS growth over 10,000 durable runs", "< 20 MB"),
+    })
+    errors: list[str] = field(default_factory=list)
+    _duraflow: DuraflowBench | None = None
+
+    @property
+    def conninfo(self) -> str:
+        return libpq_url(self.database_url)
+
+    @property
+    def duraflow(self) -> DuraflowBench:
+        if self._duraflow is None:
+            self._duraflow = DuraflowBench.create(self.database_url, self.prefix)
+        return self._duraflow
+
+    # -- output -----------------------------------------------------------------------------
+
+    @staticmethod
+    def out(text: str = "") -> None:
+        print(text, flush=True)
+
+    def section(self, title: str, lines: Sequence[str] = ()) -> None:
+        self.out()
+        self.out(f"## {title}")
+        self.out()
+        for line in lines:
+            self.out(line)
+
+    # -- fresh ------------------------------------------------------------------------------
+
+    def bench_fresh(self) -> None:
+        s = self.sizes
+        df = self.duraflow
+        floor = Floor(self.conninfo, f"{self.prefix}floor")
+        try:
+            variants: dict[str, Callable[[], object]] = {"floor": floor.insert}
+            per_round = {"floor": s.floor_per_round}
+            for n in (0, *s.steps):
+                variants[f"n={n}"] = _bind(df.run, n)
+                per_round[f"n={n}"] = s.fresh_runs[n]
+            log(f"fresh: {s.fresh_rounds} rounds of {per_round}")
+            samples = interleaved(variants, per_round, s.fresh_rounds, s.warmup)
+            counts = {n: count_round_trips(df.engine, _bind(df.run, n)) for n in (0, *s.steps)}
+            sync = floor.synchronous_commit
+        finally:
+            floor.close()
+
+        floor_s = samples["floor"]
+        empty = samples["n=0"]
+        rows: list[list[object]] = []
+        data: list[dict[str, Any]] = []
+        worst: float | None = None
+        worst_n = 0
+        for n in (0, *s.steps):
+            run = samples[f"n={n}"]
+            statements, wire = counts[n]
+            if n == 0:
+                per_step = per_step_min = factor = None
+            else:
+                per_step = (run.median - empty.median) / n
+                per_step_min = (run.minimum - empty.minimum) / n
+                factor = per_step / floor_s.median
+                if worst is None or factor > worst:
+                    worst, worst_n = factor, n
+            rows.append([n if n else "0 (empty task)", len(run), ms(run.median), ms(run.minimum),
+                         ms(per_step), ms(per_step_min), ratio(factor), statements,
+                         _opt(wire)])
+            data.append({"steps": n, "runs": len(run), "run_median_s": run.median,
+                         "run_min_s": run.minimum, "per_step_s": per_step,
+                         "per_step_min_s": per_step_min, "floor_ratio": factor,
+                         "statements": statements, "round_trips": wire})
+        self.section("Fresh step overhead", [
+            f"Floor: one raw psycopg 3 autocommit INSERT of one row (synchronous_commit="
+            f"{sync}): median {ms(floor_s.median)} ms, mean {ms(floor_s.mean)} ms, "
+            f"min {ms(floor_s.minimum)} ms over {len(floor_s)} INSERTs, taking turns with "
+            "the runs below.",
+            "Runs: Task.apply() in this process, a new task id each time. Per-step overhead "
+            "= (run - empty run) / N, from the medians (and from the minimums). Round trips: "
+            "ReadyForQuery messages in libpq's trace of one run (SQLAlchemy statements: its "
+            "before_cursor_execute events, which miss whatever goes to the driver directly).",
+            "",
+            table(["steps", "runs", "run median ms", "run min ms", "per step ms",
+                   "per step (min) ms", "x floor", "SQLAlchemy statements/run",
+                   "round trips/run"],
+                  rows),
+        ])
+        self.results["fresh"] = {"floor_median_s": floor_s.median, "floor_mean_s": floor_s.mean,
+                                 "floor_min_s": floor_s.minimum, "floor_count": len(floor_s),
+                                 "synchronous_commit": sync, "rows": data}
+        target = self.targets["fresh"]
+        if worst is not None:
+            target.measured = f"{worst:.2f}x"
+            target.status = "met" if worst <= 1.5 else "NOT met"
+            target.note = f"N={worst_n}; floor {ms(floor_s.median)} ms per commit"
+
+    # -- replay -----------------------------------------------------------------------------
+
+    def bench_replay(self) -> None:
+        s = self.sizes
+        df = self.duraflow
+        sizes = (0, *s.steps)
+        ids = {n: df.run(n) for n in sizes}
+        largest = max(s.steps)
+
+        body = {n: Samples() for n in sizes}
+
+        def resume(n: int) -> float:
+            df.reset_to_running(ids[n])
+            seconds = timed(_bind(df.run, n, ids[n]))
+            body[n].add(workload.LAST_BODY[0])
+            return seconds
+
+        bodies = workload.BODIES_RUN[0]
+        for n in sizes:
+            for _ in range(s.warmup):
+                resume(n)
+        samples = {n: Samples() for n in sizes}
+        body = {n: Samples() for n in sizes}  # drop the warm-up's (resume() sees this one)
+        short = Samples()
+        log(f"replay: {s.replay_rounds} rounds of {s.replay_runs}")
+        for _ in range(s.replay_rounds):
+            for n in sizes:
+                for _ in range(s.replay_runs[n]):
+                    samples[n].add(resume(n))
+            # A run that already succeeded, delivered again: the recorded result at once.
+            for _ in range(s.replay_runs[0]):
+                short.add(timed(_bind(df.run, largest, ids[largest])))
+        counts = {}
+        for n in sizes:
+            df.reset_to_running(ids[n])
+            counts[n] = count_round_trips(df.engine, _bind(df.run, n, ids[n]))
+        short_counts = count_round_trips(df.engine, _bind(df.run, largest, ids[largest]))
+        if workload.BODIES_RUN[0] != bodies:
+            raise RuntimeError(f"replays ran {workload.BODIES_RUN[0] - bodies} step bodies "
+                               "again: the steps were not answered from the store")
+
+        rows: list[list[object]] = []
+        data: list[dict[str, Any]] = []
+        for n in sizes:
+            run = samples[n]
+            statements, wire = counts[n]
+            per_step = None if n == 0 else (run.median - samples[0].median) / n
+            in_body = None if n == 0 else body[n].median / n
+            rows.append([f"resume, {n} completed steps", len(run), ms(run.median),
+                         ms(run.minimum), _us(per_step), _us(in_body), statements,
+                         _opt(wire)])
+            data.append({"kind": "resume", "steps": n, "runs": len(run),
+                         "median_s": run.median, "min_s": run.minimum, "per_step_s": per_step,
+                         "body_per_step_s": in_body, "statements": statements,
+                         "round_trips": wire})
+        rows.append([f"succeeded run delivered again ({largest} steps)", len(short),
+                     ms(short.median), ms(short.minimum), "-", "-", short_counts[0],
+                     _opt(short_counts[1])])
+        data.append({"kind": "succeeded", "steps": largest, "runs": len(short),
+                     "median_s": short.median, "min_s": short.minimum,
+                     "statements": short_counts[0], "round_trips": short_counts[1]})
+        statements, wire = counts[largest]
+        self.section("Replay", [
+            "Resume: the run row set back to 'running' (the worker died after the last step), "
+            "then the same task id applied again; every step is answered from the store and "
+            "no step body runs (checked). Per step = (replay - empty replay) / N, medians; "
+            "in body = the task body's own time (first line to last) / N, median.",
+            "Round trips: statements = SQLAlchemy before_cursor_execute events; round trips = "
+            "ReadyForQuery messages in libpq's trace of the same connections (one per wait "
+            "on the server).",
+            "",
+            table(["replay", "runs", "median ms", "min ms", "per step us",
+                   "per step in body us", "SQLAlchemy statements", "round trips"], rows),
+        ])
+        self.results["replay"] = {"rows": data}
+        target = self.targets["replay"]
+        measured = wire if wire is not None else statements
+        target.measured = f"{measured} ({statements} via SQLAlchemy)"
+        target.status = "met" if measured <= 2 else "NOT met"
+        if largest != 100:
+            target.note = f"measured with {largest} steps"
+
+    # -- dbos -------------------------------------------------------------------------------
+
+    def bench_dbos(self) -> None:
+        from .dbos_side import DbosBench, unavailable_reason
+
+        target = self.targets["dbos"]
+        reason = unavailable_reason()
+        if reason is not None:
+            self.section("DBOS side by side", [f"Skipped: {reason}."])
+            target.status, target.note = "skipped", "DBOS not importable (see its section)"
+            self.results["dbos"] = {"skipped": reason}
+            return
+        s = self.sizes
+        df = self.duraflow
+        sizes = (0, *s.steps)
+        log("dbos: launching DBOS")
+        dbos = DbosBench(self.conninfo, f"{self.prefix}dbos")
+        floor = Floor(self.conninfo, f"{self.prefix}floor")
+        try:
+            variants: dict[str, Callable[[], object]] = {"floor": floor.insert}
+            per_round = {"floor": s.floor_per_round // 2}
+            for n in sizes:
+                variants[f"duraflow n={n}"] = _bind(df.run, n)
+                variants[f"dbos n={n}"] = _bind(dbos.run, n)
+                per_round[f"duraflow n={n}"] = per_round[f"dbos n={n}"] = s.dbos_runs[n]
+            log(f"dbos: {s.dbos_rounds} rounds of {per_round}")
+            samples = interleaved(variants, per_round, s.dbos_rounds, s.warmup)
+            counts = {n: (count_round_trips(df.engine, _bind(df.run, n)), dbos.round_trips(n))
+                      for n in sizes}
+
+            # Replays. DBOS: the finished workflow called again, and fork_workflow.
+            largest = max(s.steps)
+            wf_ids = {n: dbos.run(n) for n in sizes}
+            df_ids = {n: df.run(n) for n in sizes}
+            again = {"duraflow": Samples(), "dbos": Samples()}
+            for _ in range(max(s.replay_runs[0], 3)):
+                again["duraflow"].add(timed(_bind(df.run, largest, df_ids[largest])))
+                again["dbos"].add(timed(_bind(dbos.run, largest, wf_ids[largest])))
+            again_counts = {
+                "duraflow": count_round_trips(df.engine, _bind(df.run, largest, df_ids[largest])),
+                "dbos": dbos.round_trips(largest, wf_ids[largest]),
+            }
+            log(f"dbos: {s.dbos_forks} fork replays for N in {s.dbos_fork_steps}")
+            forks = {n: [dbos.fork_replay(wf_ids[n], n) for _ in range(s.dbos_forks)]
+                     for n in s.dbos_fork_steps}
+            resumes = {n: Samples() for n in s.dbos_fork_steps}
+            for n in s.dbos_fork_steps:
+                for _ in range(s.replay_runs[n]):
+                    df.reset_to_running(df_ids[n])
+                    df.run(n, df_ids[n])
+                    resumes[n].add(workload.LAST_BODY[0])
+            sync = floor.synchronous_commit
+        finally:
+            floor.close()
+            dbos.close()
+
+        floor_s = samples["floor"]
+        rows: list[list[object]] = []
+        data: list[dict[str, Any]] = []
+        worst: float | None = None
+        worst_n = 0
+        for n in sizes:
+            d, b = samples[f"duraflow n={n}"], samples[f"dbos n={n}"]
+            (d_stmt, d_wire), (b_stmt, b_wire) = counts[n]
+            if n == 0:
+                d_step = b_step = factor = None
+            else:
+                d_step = (d.median - samples["duraflow n=0"].median) / n
+                b_step = (b.median - samples["dbos n=0"].median) / n
+                factor = b_step / d_step if d_step > 0 else None
+                if factor is not None and (worst is None or factor < worst):
+                    worst, worst_n = factor, n
+            rows.append([n if n else "0 (empty)", len(d), ms(d.median), ms(b.median),
+                         ms(d_step), ms(b_step), ratio(factor),
+                         ratio(d_step / floor_s.median if d_step else None),
+                         ratio(b_step / floor_s.median if b_step else None),
+                         f"{d_stmt} / {_opt(d_wire)}", f"{b_stmt} / {_opt(b_wire)}"])
+            data.append({"steps": n, "runs": len(d), "duraflow_median_s": d.median,
+                         "dbos_median_s": b.median, "duraflow_per_step_s": d_step,
+                         "dbos_per_step_s": b_step, "dbos_over_duraflow": factor,
+                         "duraflow_statements": d_stmt, "duraflow_round_trips": d_wire,
+                         "dbos_statements": b_stmt, "dbos_round_trips": b_wire})
+        replay_rows: list[list[object]] = []
+        replay_data: list[dict[str, Any]] = []
+        for n in s.dbos_fork_steps:
+            fork_body = Samples([f.body for f in forks[n]])
+            fork_wall = Samples([f.wall for f in forks[n]])
+            last = forks[n][-1]
+            d_step = resumes[n].median / n
+            b_step = fork_body.median / n
+            replay_rows.append([n, f"{len(resumes[n])} / {len(fork_body)}", _us(d_step),
+                                _us(b_step), ratio(b_step / d_step if d_step else None, 0),
+                                ms(fork_wall.median, 1),
+                                f"{last.statements} / {_opt(last.wire)}"])
+            replay_data.append({"steps": n, "forks": len(fork_body),
+                                "duraflow_resume_body_per_step_s": d_step,
+                                "dbos_fork_body_per_step_s": fork_body.median / n,
+                                "dbos_fork_wall_s": fork_wall.median,
+                                "dbos_fork_statements": last.statements,
+                                "dbos_fork_round_trips": last.wire})
+        self.section(f"DBOS side by side (dbos {dbos.version})", [
+            f"Same PostgreSQL server and database (DBOS system schema {self.prefix}dbos); "
+            "celery-duraflow runs, DBOS workflows and the floor take turns in every round. "
+            "DBOS: @DBOS.workflow() calling an @DBOS.step() N times, called in this thread "
+            "under a new workflow id (SetWorkflowID). Per step = (run - empty run) / N, "
+            f"medians. Floor this section: {ms(floor_s.median)} ms (synchronous_commit="
+            f"{sync}).",
+            "",
+            table(["steps", "runs each", "duraflow run ms", "DBOS run ms", "duraflow per step ms",
+                   "DBOS per step ms", "DBOS / duraflow", "duraflow x floor", "DBOS x floor",
+                   "duraflow SQLAlchemy stmts / round trips",
+                   "DBOS SQLAlchemy stmts / round trips"], rows),
+            "",
+            "Replays. A finished run delivered again, "
+            f"{largest} steps: celery-duraflow {ms(again['duraflow'].median)} ms "
+            f"({again_counts['duraflow'][0]} statements / {_opt(again_counts['duraflow'][1])} "
+            f"round trips), DBOS {ms(again['dbos'].median)} ms "
+            f"({again_counts['dbos'][0]} / {_opt(again_counts['dbos'][1])}); neither runs a "
+            "step.",
+            "Resume from checkpoints, per step, measured inside the body (first line to last) "
+            "/ N: celery-duraflow resumed as in the replay section; DBOS through "
+            "DBOS.fork_workflow(id, start_step=N+1), whose body runs in DBOS's executor thread "
+            "and answers every step from the copied checkpoints. The fork's wall time "
+            "includes DBOS's queue dispatch and is not comparable.",
+            "",
+            table(["steps", "replays duraflow / DBOS", "duraflow per step us",
+                   "DBOS per step us", "DBOS / duraflow", "DBOS fork wall ms",
+                   "DBOS stmts / round trips (executor thread)"], replay_rows),
+        ])
+        self.results["dbos"] = {
+            "version": dbos.version, "floor_median_s": floor_s.median, "rows": data,
+            "again": {k: {"median_s": v.median, "statements": again_counts[k][0],
+                          "round_trips": again_counts[k][1]} for k, v in again.items()},
+            "replay_rows": replay_data,
+        }
+        if worst is not None:
+            target.measured = f"{worst:.2f}x"
+            target.status = "met" if worst >= 4 else "NOT met"
+            target.note = f"N={worst_n}"
+
+    # -- e2e --------------------------------------------------------------------------------
+
+    def bench_e2e(self) -> None:
+        from .workers import celery_worker
+
+        s = self.sizes
+        self.duraflow  # noqa: B018 - the schema exists before the workers start
+        expected = workload.expected_result(s.e2e_steps)
+        walls: dict[str, Samples] = {"plain": Samples(), "durable": Samples()}
+        names = {"plain": PLAIN_TASK_NAME, "durable": DURABLE_TASK_NAME}
+        log("e2e: starting celery worker (prefork, concurrency 2)")
+        with celery_worker(broker_url=self.broker_url, database_url=self.database_url,
+                           prefix=self.prefix, concurrency=2, label="e2e") as worker:
+            for kind in ("plain", "durable"):
+                warm = [worker.send(names[kind], s.e2e_steps) for _ in range(s.e2e_warmup)]
+                worker.wait_all(warm, timeout=120)
+            for r in range(s.e2e_rounds):
+                for kind in ("plain", "durable"):
+                    log(f"e2e: round {r + 1}/{s.e2e_rounds}, {s.e2e_tasks} {kind} tasks")
+                    start = time.perf_counter()
+                    results = [worker.send(names[kind], s.e2e_steps) for _ in range(s.e2e_tasks)]
+                    values = worker.wait_all(results, timeout=600)
+                    walls[kind].add(time.perf_counter() - start)
+                    wrong = [v for v in values if v != expected]
+                    if wrong:
+                        raise RuntimeError(f"{len(wrong)} {kind} tasks returned {wrong[:3]}")
+                    for result in results:
+                        result.forget()
+        plain, durable = walls["plain"], walls["durable"]
+        tput = {k: s.e2e_tasks / v.median for k, v in walls.items()}
+        best = {k: s.e2e_tasks / v.minimum for k, v in walls.items()}
+        factor = tput["plain"] / tput["durable"]
+        extra = (durable.median - plain.median) / s.e2e_tasks
+        rows = [
+            ["plain Celery task", s.e2e_rounds, f"{plain.median:.2f}", f"{tput['plain']:.0f}",
+             f"{best['plain']:.0f}", "1.00x"],
+            ["DurableTask", s.e2e_rounds, f"{durable.median:.2f}", f"{tput['durable']:.0f}",
+             f"{best['durable']:.0f}", ratio(factor)],
+        ]
+        self.section("End to end through Celery", [
+            f"{s.e2e_tasks} tasks of {s.e2e_steps} trivial steps per round, sent to one "
+            "`celery worker --pool prefork --concurrency 2` (2 pool processes) over Redis "
+            "(broker and result backend), wall time from the first send to the last result; "
+            "plain and durable take turns; Celery defaults otherwise (early ack, prefetch 4).",
+            "",
+            table(["task", "rounds", "median wall s", "tasks/s (median)", "tasks/s (best)",
+                   "plain / this"], rows),
+            "",
+            f"Durability adds {ms(extra, 2)} ms of wall time per task of {s.e2e_steps} steps "
+            f"({ms(extra / s.e2e_steps, 3)} ms per step) with 2 pool processes.",
+        ])
+        self.results["e2e"] = {"tasks": s.e2e_tasks, "steps": s.e2e_steps,
+                               "rounds": s.e2e_rounds,
+                               "plain_wall_s": plain.values, "durable_wall_s": durable.values,
+                               "plain_tasks_per_s": tput["plain"],
+                               "durable_tasks_per_s": tput["durable"],
+                               "plain_over_durable": factor}
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def bench_memory(self) -> None:
+        from .workers import celery_worker
+
+        s = self.sizes
+        df = self.duraflow
+        target = self.targets["memory"]
+        log("memory: starting celery worker (prefork, concurrency 1)")
+        series: dict[str, list[tuple[int, int]]] = {}
+        pid = None
+        with celery_worker(broker_url=self.broker_url, database_url=self.database_url,
+                           prefix=self.prefix, concurrency=1, label="memory") as worker:
+            succeeded_before = self._count_succeeded(df)
+            for kind, name in (("plain", PLAIN_TASK_NAME), ("durable", DURABLE_TASK_NAME)):
+                for _ in range(s.memory_warmup):
+                    worker.send(name, s.memory_steps, ignore_result=True)
+                # bench.rss runs after every task sent before it: one process, in order.
+                first = worker.call(RSS_TASK_NAME, timeout=600)
+                pid = pid or first["pid"]
+                points = [(0, int(first["rss"]))]
+                bodies = int(first["bodies_run"])
+                chunk = max(1, s.memory_runs // s.memory_samples)
+                done = 0
+                log(f"memory: {s.memory_runs} {kind} runs of {s.memory_steps} steps")
+                while done < s.memory_runs:
+                    size = min(chunk, s.memory_runs - done)
+                    for _ in range(size):
+                        worker.send(name, s.memory_steps, ignore_result=True)
+                    done += size
+                    answer = worker.call(RSS_TASK_NAME, timeout=1200)
+                    if answer["pid"] != pid:
+                        raise RuntimeError("the worker's pool process was replaced during the "
+                                           "memory benchmark")
+                    points.append((done, int(answer["rss"])))
+                ran = int(answer["bodies_run"]) - bodies
+                if ran != s.memory_runs * s.memory_steps:
+                    raise RuntimeError(f"{kind}: {ran} step bodies ran, expected "
+                                       f"{s.memory_runs * s.memory_steps}")
+                series[kind] = points
+            succeeded = self._count_succeeded(df) - succeeded_before
+            if succeeded != s.memory_runs + s.memory_warmup:
+                raise RuntimeError(f"{succeeded} durable runs succeeded, expected "
+                                   f"{s.memory_runs + s.memory_warmup}")
+        mb = 1024 * 1024
+        rows = []
+        growth = {}
+        for kind, points in series.items():
+            growth[kind] = points[-1][1] - points[0][1]
+            trend = ", ".join(f"{n}: {rss / mb:.1f}" for n, rss in points)
+            rows.append([kind, f"{points[0][1] / mb:.1f}", f"{points[-1][1] / mb:.1f}",
+                         f"{growth[kind] / mb:+.1f}", trend])
+        self.section("Memory", [
+            f"One `celery worker --pool prefork --concurrency 1`; its pool process runs "
+            f"{s.memory_warmup} warm-up tasks, then {s.memory_runs} runs of {s.memory_steps} "
+            "trivial steps, plain tasks first, then DurableTask runs. RSS (VmRSS, after "
+            "gc.collect()) is read by a task in that same process.",
+            "",
+            table(["task", "RSS before MB", "RSS after MB", "growth MB",
+                   "RSS MB after n runs"], rows),
+        ])
+        self.results["memory"] = {"runs": s.memory_runs, "steps": s.memory_steps,
+                                  "series": series, "growth_bytes": growth}
+        durable_growth = growth["durable"] / mb
+        target.measured = f"{durable_growth:+.1f} MB"
+        target.status = "met" if durable_growth < 20 else "NOT met"
+        if s.memory_runs != 10_000:
+            target.note = f"measured over {s.memory_runs} runs"
+
+    def _count_succeeded(self, df: DuraflowBench) -> int:
+        row = df.admin.execute(
+            f"SELECT count(*) FROM \"{self.prefix}runs\" WHERE status = 'succeeded'"
+        ).fetchone()
+        return int(row[0]) if row else 0
+
+    # -- the whole run ----------------------------------------------------------------------
+
+    def run(self, selected: Sequence[str]) -> int:
+        self.section("Machine and versions", [table(["what", "value"], machine_info(self))])
+        redis_problem = None
+        if {"e2e", "memory"} & set(selected):
+            redis_problem = _redis_problem(self.broker_url)
+        try:
+            for name in selected:
+                if name in ("e2e", "memory") and redis_problem:
+                    self.section(name, [f"Skipped: {redis_problem}."])
+                    if name in self.targets:
+                        self.targets[name].status = "skipped"
+                        self.targets[name].note = redis_problem
+                    continue
+                started = time.perf_counter()
+                try:
+                    getattr(self, f"bench_{name}")()
+                except Exception as exc:
+                    traceback.print_exc()
+                    self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
+                    self.section(name, [f"ERROR: {type(exc).__name__}: {exc}"])
+                    if name in self.targets:
+                        self.targets[name].status = "error"
+                        self.targets[name].note = f"{type(exc).__name__}"
+                log(f"{name}: {time.perf_counter() - started:.1f}s")
+        finally:
+            self.cleanup()
+        rows = [[t.title, t.measured, t.limit, t.status, t.note] for t in self.targets.values()]
+        self.section("Targets", [table(["target", "measured", "target", "verdict", "note"],
+                                       rows)])
+        self.results["targets"] = {k: asdict(v) for k, v in self.targets.items()}
+        return 1 if self.errors else 0
+
+    def cleanup(self) -> None:
+        if self._duraflow is not None:
+            self._duraflow.close()
+            self._duraflow.engine.dispose()
+        with contextlib.suppress(Exception):
+            drop_prefixed_tables(self.conninfo, self.prefix)
+
+
+def _bind(fn: Callable[..., object], *args: Any) -> Callable[[], object]:
+    return lambda: fn(*args)
+
+
+def _opt(value: int | None) -> str:
+    return "n/a" if value is None else str(value)
+
+
+def _us(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def _redis_problem(url: str) -> str | None:
+    try:
+        import redis
+
+        client = redis.Redis.from_url(url, socket_connect_timeout=3)
+        client.ping()
+        client.close()
+    except Exception as exc:
+        return f"Redis at {url} is unreachable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _version(name: str) -> str:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def library_digest() -> str:
+    """A digest of celery_duraflow/*.py as measured (the tree may differ from the commit)."""
+    digest = hashlib.sha256()
+    for path in sorted((REPO_ROOT / "celery_duraflow").glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def machine_info(harness: Harness) -> list[list[str]]:
+    cpu = platform.processor() or "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    memory = "?"
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
+        memory = f"{kb / 1024 / 1024:.1f} GiB"
+    with psycopg.connect(harness.conninfo, autocommit=True) as conn:
+        settings = {}
+        for name in ("server_version", "synchronous_commit", "fsync", "wal_sync_method"):
+            row = conn.execute(f"SHOW {name}").fetchone()
+            settings[name] = str(row[0]) if row else "?"
+    commit = _git("rev-parse", "--short", "HEAD") or "?"
+    dirty = _git("status", "--porcelain", "--", "celery_duraflow")
+    info = [
+        ["celery-duraflow commit", commit + (" + uncommitted changes in celery_duraflow/"
+                                            if dirty else "")],
+        ["celery_duraflow/*.py digest", library_digest()],
+        ["CPU", f"{cpu}, {os.cpu_count()} cores"],
+        ["memory", memory],
+        ["OS", f"{platform.system()} {platform.release()}"],
+        ["Python", platform.python_version()],
+        ["PostgreSQL", f"{settings['server_version']} (synchronous_commit="
+                       f"{settings['synchronous_commit']}, fsync={settings['fsync']}, "
+                       f"wal_sync_method={settings['wal_sync_method']}), "
+                       f"{harness.conninfo.split('@')[-1]}"],
+        ["broker", harness.broker_url],
+        ["packages", ", ".join(f"{p} {_version(p)}" for p in
+                               ("celery", "sqlalchemy", "psycopg", "redis", "dbos"))],
+        ["mode", "quick" if harness.sizes is QUICK else "full"],
+        ["started", time.strftime("%Y-%m-%d %H:%M:%S %Z")],
+    ]
+    harness.results["machine"] = dict(info)
+    return info
+
+
+def _parse_only(raw: Sequence[str] | None) -> list[str]:
+    if not raw:
+        return list(BENCHMARKS)
+    names = [n.strip() for chunk in raw for n in chunk.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(BENCHMARKS))
+    if unknown:
+        raise SystemExit(f"unknown benchmark(s) {', '.join(unknown)}; choose from "
+                         f"{', '.join(BENCHMARKS)}")
+    return [n for n in BENCHMARKS if n in names]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description="Benchmarks of celery-duraflow against baselines measured in the same run.",
+    )
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny sizes: checks that everything runs, measures nothing")
+    parser.add_argument("--only", action="append", metavar="NAMES",
+                        help=f"comma-separated subset of: {', '.join(BENCHMARKS)}")
+    parser.add_argument("--database-url", default=default_database_url(),
+                        help="PostgreSQL URL (default: $DURAFLOW_BENCH_DATABASE_URL, "
+                             "$DURAFLOW_TEST_DATABASE_URL, or the local test database)")
+    parser.add_argument("--broker-url", default=default_broker_url(),
+                        help="Redis URL for the worker benchmarks (default: "
+                             "$DURAFLOW_BENCH_BROKER_URL, $DURAFLOW_TEST_BROKER_URL, or "
+                             "redis://127.0.0.1:6379/9)")
+    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    args = parser.parse_args(argv)
+    selected = _parse_only(args.only)
+
+    conninfo = libpq_url(args.database_url)
+    try:
+        psycopg.connect(conninfo, connect_timeout=5).close()
+    except psycopg.Error as exc:
+        print(f"PostgreSQL at {args.database_url} is unreachable: {exc}", file=sys.stderr)
+        return 2
+
+    harness = Harness(database_url=args.database_url, broker_url=args.broker_url,
+                      sizes=QUICK if args.quick else FULL, prefix=new_prefix())
+    print("# celery-duraflow benchmarks" + (" (quick: sizes too small to mean anything)"
+                                            if args.quick else ""))
+    started = time.perf_counter()
+    status = harness.run(selected)
+    elapsed = time.perf_counter() - started
+    print(f"\nTotal time {elapsed:.0f} s.")
+    if args.json:
+        harness.results["elapsed_s"] = elapsed
+        Path(args.json).write_text(json.dumps(harness.results, indent=2, default=str) + "\n")
+    for error in harness.errors:
+        print(f"error in {error}", file=sys.stderr)
+    return status

@@ -1,0 +1,386 @@
+"""Profile fresh or replayed durable runs with pyinstrument.
+
+``python -m benchmarks.profile [--steps 100] [--runs 20] [--replay] [--html FILE]``
+
+Applies the benchmark's durable task in this process, as the ``fresh`` (or ``replay``)
+benchmark does, under pyinstrument's sampling profiler (wall clock, so time spent
+waiting for PostgreSQL shows up as the frames that wait), prints the call tree, and
+prints the share of time spent in a few places that matter for the per-step cost.
+Uses its own tables, dropped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from .common import DuraflowBench, default_database_url, drop_prefixed_tables, new_prefix
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile",
+                                     description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser.add_argument("--steps", type=int, default=100, help="steps per run (default 100)")
+    parser.add_argument("--runs", type=int, default=20, help="profiled runs (default 20)")
+    parser.add_argument("--replay", action="store_true",
+                        help="profile resumed runs whose steps are all completed")
+    parser.add_argument("--database-url", default=default_database_url())
+    parser.add_argument("--interval", type=float, default=0.001,
+                        help="sampling interval in seconds (default 0.001)")
+    parser.add_argument("--html", metavar="FILE", help="also write pyinstrument's HTML report")
+    parser.add_argument("--show-all", action="store_true",
+                        help="show library frames pyinstrument hides by default")
+    parser.add_argument("--driver-time", action="store_true",
+                        help="instead of profiling, split the per-step cost into time waiting "
+                             "on PostgreSQL (libpq trace timestamps) and client-side time")
+    parser.add_argument("--sampler", choices=("pyinstrument", "none"), default="pyinstrument",
+                        help="'none' runs the loop unprofiled, for a sampler outside the "
+                             "process: py-spy record --idle --format raw -o stacks.txt -- "
+                             "python -m benchmarks.profile --sampler none")
+    parser.add_argument("--summarize", metavar="STACKS",
+                        help="summarize a py-spy --format raw (collapsed stacks) file")
+    parser.add_argument("--anatomy", type=int, default=0, metavar="COUNT",
+                        help="instead of profiling, time COUNT single-row writes of growing "
+                             "complexity on scratch tables (what a step row costs the server)")
+    args = parser.parse_args(argv)
+    if args.anatomy:
+        print(anatomy(args.database_url, args.anatomy))
+        return 0
+    if args.driver_time:
+        return _sql_main(args.database_url, args.runs, args.steps)
+    if args.summarize:
+        print(summarize_collapsed(args.summarize))
+        return 0
+    profiler: Any = None
+    if args.sampler == "pyinstrument":
+        try:
+            from pyinstrument import Profiler
+        except ImportError:
+            print("pyinstrument is not installed: pip install -e '.[bench]'", file=sys.stderr)
+            return 2
+        profiler = Profiler(interval=args.interval)
+
+    prefix = new_prefix()
+    bench = DuraflowBench.create(args.database_url, prefix)
+    try:
+        task_id = bench.run(args.steps)
+        for _ in range(5):  # warm up: connections, compiled statements, prepared statements
+            if args.replay:
+                bench.reset_to_running(task_id)
+                bench.run(args.steps, task_id)
+            else:
+                bench.run(args.steps)
+        measured = 0.0
+        for _ in range(args.runs):
+            if args.replay:
+                bench.reset_to_running(task_id)  # outside the profile
+            start = time.perf_counter()
+            if profiler is not None:
+                profiler.start()
+            bench.run(args.steps, task_id if args.replay else None)
+            if profiler is not None:
+                profiler.stop()
+            measured += time.perf_counter() - start
+        kind = "replayed" if args.replay else "fresh"
+        print(f"# {args.runs} {kind} runs of {args.steps} steps: {measured:.3f} s "
+              f"({args.sampler}), {measured / args.runs * 1000:.2f} ms per run, "
+              f"{measured / args.runs / max(args.steps, 1) * 1000:.3f} ms per step")
+        if profiler is not None:
+            print(profiler.output_text(unicode=True, color=False, show_all=args.show_all))
+            print(breakdown(profiler))
+            if args.html:
+                with open(args.html, "w") as out:
+                    out.write(profiler.output_html())
+    finally:
+        bench.close()
+        bench.engine.dispose()
+        drop_prefixed_tables(bench.conninfo, prefix)
+    return 0
+
+
+# (label, frame function names, file path fragment) of the places worth a total.
+_PLACES = [
+    ("waiting for PostgreSQL (psycopg wait)", {"wait", "wait_c", "_wait"}, "psycopg"),
+    ("SQLAlchemy Connection.execute", {"execute"}, "sqlalchemy/engine/base.py"),
+    ("SQLAlchemy pool checkout/checkin", {"_checkout", "_checkin", "_finalize_fairy",
+                                          "checkout", "_return_conn"}, "sqlalchemy/pool"),
+    ("isolation level switching", {"set_isolation_level", "reset_isolation_level",
+                                   "_set_autocommit", "autocommit"}, ""),
+    ("statement compilation / cache key", {"_compile_w_cache", "_generate_cache_key",
+                                           "compile"}, "sqlalchemy"),
+    ("row processing", {"from_row", "_mapping"}, ""),
+    ("serialization", {"dumps", "loads", "decode"}, ""),
+]
+
+
+def breakdown(profiler: Any) -> str:
+    """Total time (inclusive, outermost frame only) under a few named places."""
+    session = profiler.last_session
+    root = session.root_frame() if session else None
+    if root is None:
+        return ""
+    total = root.time
+    lines = ["", "Time inclusive under (outermost matching frame, share of profiled time):"]
+    for label, names, fragment in _PLACES:
+        seconds = _inclusive(root, names, fragment)
+        lines.append(f"  {label:<42} {seconds * 1000:9.1f} ms  {seconds / total:6.1%}")
+    return "\n".join(lines)
+
+
+def _inclusive(frame: Any, names: set[str], fragment: str) -> float:
+    if frame.function in names and fragment in (frame.file_path or ""):
+        return float(frame.time)
+    return sum(_inclusive(child, names, fragment) for child in frame.children)
+
+
+def _sql_main(database_url: str, runs: int, steps: int) -> int:
+    prefix = new_prefix()
+    bench = DuraflowBench.create(database_url, prefix)
+    try:
+        print(driver_time(bench, runs, steps))
+    finally:
+        bench.close()
+        bench.engine.dispose()
+        drop_prefixed_tables(bench.conninfo, prefix)
+    return 0
+
+
+def driver_time(bench: DuraflowBench, runs: int, steps: int) -> str:
+    """Split the per-step cost into waiting on PostgreSQL and client-side Python.
+
+    Runs fresh runs of ``steps`` steps and empty runs, taking turns, with libpq's protocol
+    trace on (with timestamps): for each round trip, the time from the first message sent
+    to the server's ReadyForQuery is time spent waiting on the server (loopback, parse,
+    execute, WAL flush); the rest of a run is client-side (Celery, celery-duraflow,
+    SQLAlchemy, psycopg's Python). Whatever path the library takes to the driver, every
+    round trip is in the trace. The floor INSERT is timed in the same loop.
+    The traced runs give the waits; untraced runs, taking turns with them, give the total.
+    """
+    import statistics
+    import tempfile
+    import threading
+
+    from .common import Floor, RoundTrips, parse_trace
+
+    def measured(n: int) -> tuple[float, float, int]:
+        counter = RoundTrips(bench.engine, timed=True)
+        with counter.counting():
+            total = _timed(lambda: bench.run(n))
+        me = threading.get_ident()
+        return total, counter.wire_seconds[me], counter.wire[me]
+
+    floor = Floor(bench.conninfo, f"{bench.prefix}floor")
+    floor_times: list[float] = []
+    floor_waits: list[float] = []
+    full: list[tuple[float, float, int]] = []
+    empty: list[tuple[float, float, int]] = []
+    untraced_full: list[float] = []
+    untraced_empty: list[float] = []
+    try:
+        for _ in range(5):
+            measured(steps)
+            measured(0)
+        for _ in range(runs):
+            # Back to back, as the harness times the floor (a lone INSERT after an idle
+            # spell is slower: the server process has to wake up).
+            floor_times.extend(_timed(floor.insert) for _ in range(20))
+            # The floor traced like the runs: its own wait on the server.
+            with tempfile.TemporaryFile() as trace:
+                floor.conn.pgconn.trace(trace.fileno())
+                for _ in range(20):
+                    floor.insert()
+                floor.conn.pgconn.untrace()
+                trace.seek(0)
+                count, waited = parse_trace(trace.read().decode(errors="replace"), True)
+            floor_waits.append(waited / max(count, 1))
+            empty.append(measured(0))
+            full.append(measured(steps))
+            untraced_empty.append(_timed(lambda: bench.run(0)))
+            untraced_full.append(_timed(lambda: bench.run(steps)))
+    finally:
+        floor.close()
+    floor_median = statistics.median(floor_times)
+    floor_wait = statistics.median(floor_waits)
+    n = max(steps, 1)
+    per_step = (statistics.median(untraced_full) - statistics.median(untraced_empty)) / n
+    traced_step = (statistics.median(t for t, _, _ in full)
+                   - statistics.median(t for t, _, _ in empty)) / n
+    wait_step = (statistics.median(w for _, w, _ in full)
+                 - statistics.median(w for _, w, _ in empty)) / n
+    trips_step = (statistics.median(c for _, _, c in full)
+                  - statistics.median(c for _, _, c in empty)) / n
+    return "\n".join([
+        f"{runs} fresh runs of {steps} steps and {runs} empty runs, taking turns, traced; "
+        f"floor INSERT median {floor_median * 1000:.3f} ms untraced, of which "
+        f"{floor_wait * 1000:.3f} ms waiting on PostgreSQL (traced the same way).",
+        f"Round trips per run: {statistics.median(c for _, _, c in full):.0f} "
+        f"({statistics.median(c for _, _, c in empty):.0f} for the empty run), "
+        f"{trips_step:.2f} per step.",
+        f"Per step, untraced: {per_step * 1000:.3f} ms = {per_step / floor_median:.2f}x the "
+        f"floor (traced: {traced_step * 1000:.3f} ms), made of:",
+        f"  {wait_step * 1000:.3f} ms waiting on PostgreSQL "
+        f"({wait_step / floor_wait:.2f}x the floor INSERT's own wait)",
+        f"  {(per_step - wait_step) * 1000:.3f} ms client-side Python (the rest)",
+    ])
+
+
+def anatomy(database_url: str, count: int) -> str:
+    """What makes a step row dearer than the floor INSERT, one feature at a time.
+
+    Scratch tables shaped like a step store (a runs table, a steps table with a bigserial
+    key and UNIQUE (task_id, step_key)), written through a raw psycopg autocommit
+    connection, one row per statement, each variant taking turns with the others:
+
+    * floor: ``INSERT INTO t (a, b) VALUES (...)``;
+    * step row: a plain INSERT of a step-shaped row (two indexes);
+    * + upsert/RETURNING: ``ON CONFLICT (task_id, step_key) DO UPDATE ... RETURNING *``;
+    * + lease check: ``... SELECT ... WHERE EXISTS (run row with this lease owner)``;
+    * + foreign key: the same into a steps table whose task_id references the runs table
+      (PostgreSQL locks the run row FOR KEY SHARE on every insert, which writes it);
+    * fenced INSERT, DO NOTHING, no key: the lease check kept, ``ON CONFLICT DO NOTHING``
+      without ``RETURNING`` and without the foreign key (a leaner step write).
+    """
+    import statistics
+    import uuid
+
+    import psycopg
+
+    from .common import libpq_url
+
+    prefix = new_prefix()
+    runs, plain, fk = f"{prefix}aruns", f"{prefix}asteps", f"{prefix}asteps_fk"
+    columns = ("task_id varchar(255) NOT NULL, step_key varchar(1024) NOT NULL, "
+               "status varchar(16) NOT NULL, attempts integer NOT NULL, output text, "
+               "serializer varchar(100), error text, started_at timestamptz NOT NULL, "
+               "completed_at timestamptz")
+    conn = psycopg.connect(libpq_url(database_url), autocommit=True)
+    try:
+        conn.execute(f"CREATE TABLE {prefix}floor (id bigserial PRIMARY KEY, a integer NOT "
+                     "NULL, b text NOT NULL)")
+        conn.execute(f"CREATE TABLE {runs} (task_id varchar(255) PRIMARY KEY, "
+                     "lease_owner varchar(200))")
+        conn.execute(f"CREATE TABLE {plain} (id bigserial PRIMARY KEY, {columns}, "
+                     "UNIQUE (task_id, step_key))")
+        conn.execute(f"CREATE TABLE {fk} (id bigserial PRIMARY KEY, {columns}, "
+                     f"UNIQUE (task_id, step_key), FOREIGN KEY (task_id) REFERENCES {runs} "
+                     "(task_id) ON DELETE CASCADE)")
+        task_id, owner = f"anatomy-{uuid.uuid4()}", "owner-1"
+        conn.execute(f"INSERT INTO {runs} VALUES (%s, %s)", (task_id, owner))
+        values = ("%(t)s::varchar, %(k)s::varchar, 'completed', 1, %(o)s::text, 'json', NULL, "
+                  "now(), now()")
+        names = "task_id, step_key, status, attempts, output, serializer, error, started_at, " \
+                "completed_at"
+        upsert = (" ON CONFLICT (task_id, step_key) DO UPDATE SET status = EXCLUDED.status, "
+                  "output = EXCLUDED.output, completed_at = EXCLUDED.completed_at "
+                  "RETURNING *")
+        fenced = (f"SELECT {values} WHERE EXISTS (SELECT 1 FROM {runs} "
+                  "WHERE task_id = %(t)s::varchar AND lease_owner = %(lease)s)")
+        variants = {
+            "floor INSERT": (f"INSERT INTO {prefix}floor (a, b) VALUES (%(n)s, 'x')", False),
+            "step row, plain INSERT": (f"INSERT INTO {plain} ({names}) VALUES ({values})",
+                                       False),
+            "+ upsert, RETURNING": (f"INSERT INTO {plain} ({names}) VALUES ({values})"
+                                    + upsert, True),
+            "+ lease check (EXISTS)": (f"INSERT INTO {plain} ({names}) {fenced}" + upsert,
+                                       True),
+            "+ foreign key to runs": (f"INSERT INTO {fk} ({names}) {fenced}" + upsert, True),
+            "fenced INSERT, DO NOTHING, no key": (
+                f"INSERT INTO {plain} ({names}) {fenced} ON CONFLICT (task_id, step_key) "
+                "DO NOTHING", False),
+        }
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for i in range(count + 20):
+            for v, (name, (sql, returns)) in enumerate(variants.items()):
+                # A key of each variant's own: every variant inserts a new row.
+                params = {"t": task_id, "k": f"v{v}/step#{i}", "o": str(i), "lease": owner,
+                          "n": i}
+                start = time.perf_counter()
+                cur = conn.execute(sql, params)
+                if returns:
+                    cur.fetchone()
+                if i >= 20:
+                    times[name].append(time.perf_counter() - start)
+        floor = statistics.median(times["floor INSERT"])
+        lines = [f"{count} single-row autocommit writes each, taking turns (median ms, "
+                 "x floor):"]
+        for name, values_ in times.items():
+            median = statistics.median(values_)
+            lines.append(f"  {median * 1000:7.3f} ms {median / floor:5.2f}x  {name}")
+        return "\n".join(lines)
+    finally:
+        for table in (fk, plain, runs, f"{prefix}floor"):
+            conn.execute(f"DROP TABLE IF EXISTS {table}")
+        conn.close()
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# Buckets for py-spy samples, first match wins: (label, [(function, file fragment)]).
+# An empty function matches any function in the file.
+_BUCKETS: list[tuple[str, list[tuple[str, str]]]] = [
+    ("waiting on PostgreSQL (psycopg/libpq: send, server, receive)",
+     [("wait", "psycopg/"), ("wait_c", "psycopg"), ("_wait", "psycopg"), ("", "psycopg_c"),
+      ("", "psycopg_binary")]),
+    ("connection per statement: checkout, autocommit option, return to pool",
+     [("", "sqlalchemy/pool/"), ("connect", "sqlalchemy/engine/base.py"),
+      ("execution_options", "sqlalchemy/engine/base.py"),
+      ("close", "sqlalchemy/engine/base.py"), ("__exit__", "sqlalchemy/engine/base.py"),
+      ("_on_checkout", "celery_duraflow/_store.py"),
+      ("_write", "celery_duraflow/_store.py"), ("_read", "celery_duraflow/_store.py")]),
+    ("SQLAlchemy execute: cache key, compiled cache, parameters, result rows",
+     [("", "sqlalchemy/engine/"), ("", "sqlalchemy/dialects/")]),
+    ("building the statement (SQLAlchemy Core expressions)",
+     [("", "sqlalchemy/sql/"), ("", "sqlalchemy/util/"), ("", "<sqlalchemy generated")]),
+    ("celery-duraflow's own code (context, keys, serialization, records)",
+     [("", "celery_duraflow/"), ("", "kombu/utils/json")]),
+    ("Celery apply and trace", [("", "celery/"), ("", "kombu/"), ("", "billiard/")]),
+]
+
+
+def summarize_collapsed(path: str) -> str:
+    """Split py-spy's collapsed stacks into the buckets above (exclusive, by samples)."""
+    import re
+
+    frame_re = re.compile(r"^(?P<fn>[^ ]+) \((?P<file>[^:]*)(?::\d+)?\)$")
+    totals: dict[str, int] = {}
+    all_samples = 0
+    with open(path) as stacks:
+        for line in stacks:
+            line = line.rstrip()
+            if not line:
+                continue
+            stack, _, count_text = line.rpartition(" ")
+            count = int(count_text)
+            frames = []
+            for raw in stack.split(";"):
+                match = frame_re.match(raw.strip())
+                frames.append((match["fn"], match["file"]) if match else (raw, ""))
+            # Only the samples inside a run (not the setup, not the interpreter start).
+            if not any(fn.split(".")[-1] == "run" and "benchmarks/common.py" in f
+                       for fn, f in frames):
+                continue
+            all_samples += count
+            label = "other (benchmark loop, interpreter)"
+            for bucket, patterns in _BUCKETS:
+                if any((not pfn or fn.split(".")[-1] == pfn) and frag in f
+                       for fn, f in frames for pfn, frag in patterns):
+                    label = bucket
+                    break
+            totals[label] = totals.get(label, 0) + count
+    if not all_samples:
+        return "no samples inside DuraflowBench.run (was it recorded with --idle?)"
+    lines = [f"{all_samples} samples inside the runs:"]
+    for label, count in sorted(totals.items(), key=lambda item: -item[1]):
+        lines.append(f"  {count / all_samples:6.1%}  {label}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
