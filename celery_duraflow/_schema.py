@@ -87,12 +87,10 @@ def build_tables(prefix: str) -> Tables:
             primary_key=True,
             autoincrement=True,
         ),
-        Column(
-            "task_id",
-            String(TASK_ID_LENGTH),
-            ForeignKey(f"{prefix}runs.task_id", ondelete="CASCADE"),
-            nullable=False,
-        ),
+        # No foreign key to runs (dropped in version 4): a step row is only written
+        # under the run's lease, which the same statement checks, and a key check would
+        # lock and rewrite the run row on every step.
+        Column("task_id", String(TASK_ID_LENGTH), nullable=False),
         Column("step_key", String(STEP_KEY_LENGTH), nullable=False),
         Column("status", String(16), nullable=False),
         Column("attempts", Integer, nullable=False),
@@ -193,11 +191,25 @@ def _v3_interrupted(conn: Connection, tables: Tables) -> None:
         _add_column(conn, tables.runs.name, column)
 
 
+def _v4_no_step_foreign_key(conn: Connection, tables: Tables) -> None:
+    if conn.dialect.name != "postgresql":
+        # SQLite cannot drop a constraint without rebuilding the table, and it is not
+        # where speed matters; its foreign key stays.
+        return
+    steps = tables.steps.name
+    quote = conn.dialect.identifier_preparer.quote
+    for fk in conn.dialect.get_foreign_keys(conn, steps):
+        name = fk.get("name")
+        if name:
+            conn.execute(text(f"ALTER TABLE {quote(steps)} DROP CONSTRAINT {quote(name)}"))
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
     (2, "run leases, arguments and recovery", _v2_leases),
     (3, "runs remember an interrupted owner", _v3_interrupted),
+    (4, "no foreign key from steps to runs", _v4_no_step_foreign_key),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

@@ -91,6 +91,7 @@ class StepContext:
         "_claimed",
         "_ctx",
         "_entered",
+        "_new",
         "_on_in_doubt",
         "_running",
         "_should_run",
@@ -124,6 +125,7 @@ class StepContext:
         self.in_doubt = False
         self.attempt = 0
         self._claimed = False
+        self._new = False
         self._running = False
         self._started_at = _EPOCH
         self._entered = False
@@ -217,6 +219,7 @@ class StepContext:
                     step_key=self.key,
                 )
             self.attempt = (prior.attempts if prior is not None else 0) + 1
+            self._new = prior is None
             ctx.store.check_reachable(ctx.task_id, self.key)
             if self._on_in_doubt == "raise":
                 # Only this policy needs a record that the body started, to recognise an
@@ -317,7 +320,7 @@ class StepContext:
         if not ctx.store.record_step(
                 ctx.task_id, self.key, ctx.owner, status=status, started_at=self._started_at,
                 output=output, serializer=ctx.serializer_name if output is not None else None,
-                error=error, claimed=self._claimed):
+                error=error, claimed=self._claimed, new=self._new):
             self._lost_record()
         ctx.recorded_any = True
 

@@ -660,6 +660,27 @@ class Store:
                 .returning(*steps.c)
             ),
         }
+        # A step with no row yet (every step of a first attempt) is one plain insert; the
+        # upsert is only needed where a failed or claimed row exists.
+        new_step = select(
+            bindparam("p_task_id", type_=steps.c.task_id.type),
+            bindparam("p_step_key", type_=steps.c.step_key.type),
+            bindparam("p_status", type_=steps.c.status.type),
+            literal(1, steps.c.attempts.type),
+            bindparam("p_output", type_=steps.c.output.type),
+            bindparam("p_serializer", type_=steps.c.serializer.type),
+            bindparam("p_started_at", type_=steps.c.started_at.type),
+            bindparam("p_completed_at", type_=steps.c.completed_at.type),
+        ).where(fence)
+        insert_new = (
+            self._insert(steps)
+            .from_select(["task_id", "step_key", "status", "attempts", "output", "serializer",
+                          "started_at", "completed_at"], new_step)
+            .on_conflict_do_nothing(index_elements=[steps.c.task_id, steps.c.step_key])
+        )
+        # PostgreSQL reports the inserted rows in rowcount; elsewhere RETURNING tells.
+        statements["record_new"] = (
+            insert_new if self.dialect == "postgresql" else insert_new.returning(steps.c.id))
         for name, condition in (("record", fence), ("record_relaxed", and_(fence, relaxed))):
             row = select(
                 bindparam("p_task_id", type_=steps.c.task_id.type),
@@ -702,7 +723,7 @@ class Store:
         the cost of the commit itself. The SQL is still SQLAlchemy Core's.
         """
         compiled_records = {}
-        for name in ("record", "record_relaxed"):
+        for name in ("record_new", "record", "record_relaxed"):
             compiled = self._step_statements[name].compile(dialect=self.engine.dialect)
             required = {key: None for key, bind in compiled.binds.items() if bind.required}
             compiled_records[name] = (compiled.string, compiled.construct_params(required))
@@ -734,14 +755,16 @@ class Store:
     def record_step(self, task_id: str, step_key: str, owner: str, *, status: str,
                     started_at: datetime, output: str | None = None,
                     serializer: str | None = None, error: str | None = None,
-                    claimed: bool = False) -> bool:
+                    claimed: bool = False, new: bool = False) -> bool:
         """Write how a step ended, in one statement, if this owner still holds the run.
 
         An upsert on ``(task_id, step_key)``: it creates the row, or updates a
         failed (or claimed) one, but never a completed one. False means the
         lease is gone or the step was completed by someone else. A completion
         commits durably; a failure is written with asynchronous commit, since
-        losing it in a database crash only means the step runs again.
+        losing it in a database crash only means the step runs again. ``new``
+        says the attempt saw no row for the step: a completion is then a plain
+        ``INSERT ... ON CONFLICT DO NOTHING``, the cheapest durable write.
         """
         completed = status == STEP_COMPLETED
         params = {"p_task_id": task_id, "p_owner": owner, "p_step_key": step_key,
@@ -750,13 +773,16 @@ class Store:
                   "p_completed_at": _now() if completed else None,
                   # A claimed row already counted this attempt.
                   "p_increment": 0 if claimed else 1}
-        name = "record" if completed else "record_relaxed"
+        name = ("record_new" if new and not claimed else "record") if completed else (
+            "record_relaxed")
         action = "recording the step output" if completed else "recording the step failure"
         with self._write(action, task_id, step_key) as conn:
             if self.dialect == "postgresql":
                 sql, defaults = self._compiled_records[name]
                 driver: Any = conn.connection.driver_connection
                 cursor = driver.execute(sql, {**defaults, **params})
+                if name == "record_new":
+                    return bool(cursor.rowcount == 1)
                 return cursor.fetchone() is not None
             return conn.execute(self._step_statements[name], params).first() is not None
 

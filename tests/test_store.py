@@ -280,3 +280,19 @@ def test_unreachable_database_raises_store_unavailable(table_prefix: str) -> Non
     assert err.task_id == result.id
     assert "retried safely" in str(err)
     assert calls["charge"] == 0
+
+
+def test_migrations_build_the_current_model(make_app: Callable[..., Celery]) -> None:
+    """Migrating from nothing yields exactly the tables, columns and indexes the code uses."""
+    store = _store(make_app())
+    store.ensure_schema()
+    inspector = inspect(store.engine)
+    for table in (store.tables.runs, store.tables.steps, store.tables.schema_version):
+        columns = {c["name"] for c in inspector.get_columns(table.name)}
+        assert columns == {c.name for c in table.columns}, table.name
+        indexes = {i["name"] for i in inspector.get_indexes(table.name)}
+        assert indexes >= {i.name for i in table.indexes}, table.name
+    uniques = inspector.get_unique_constraints(store.tables.steps.name)
+    assert [u["column_names"] for u in uniques] == [["task_id", "step_key"]]
+    if store.dialect == "postgresql":
+        assert inspector.get_foreign_keys(store.tables.steps.name) == []
