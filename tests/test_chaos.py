@@ -73,19 +73,24 @@ class Cluster:
         for worker in self.workers:
             if worker.poll() is not None:
                 continue
-            out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(worker.pid)],
+            out = subprocess.run(["ps", "-o", "pid=,stat=", "--ppid", str(worker.pid)],
                                  capture_output=True, text=True, check=False).stdout
-            pids.extend(int(p) for p in out.split())
+            # A killed child stays a zombie until its worker reaps it: it is not a target.
+            pids.extend(int(line.split()[0]) for line in out.splitlines()
+                        if line.split() and not line.split()[1].startswith("Z"))
         return pids
 
     def kill_random_child(self) -> bool:
         children = self.children()
         if not children:
             return False
-        pid = random.choice(children)
+        pid = random.choice([p for p in children if p not in self.kills] or [0])
+        if not pid:
+            return False
         # Taken before the signal: SIGKILL lets the process run no further code, so its
         # step body ended at the latest here (a time taken after os.kill() could be late
-        # by however long this process was descheduled).
+        # by however long this process was descheduled). Only the first kill of a pid
+        # counts: a second one could only hit its zombie, and would move its end later.
         at = time.time()
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -217,8 +222,10 @@ def check_executions(c: Cluster, executions: dict[tuple[str, str], list[Executio
         for previous, current in itertools.pairwise(runs):
             end = previous.end if previous.end is not None else c.kills.get(previous.pid)
             if end is None or end > current.start:
-                problems.append(f"{task_id} {name}: pid {current.pid} started while pid "
-                                f"{previous.pid} was still running it")
+                problems.append(f"{task_id} {name}: pid {current.pid} started at "
+                                f"{current.start:.6f} while pid {previous.pid} (started "
+                                f"{previous.start:.6f}, ended {previous.end}, killed "
+                                f"{c.kills.get(previous.pid)}) was still running it")
         for run in runs:
             if completed_before and not run.in_doubt:
                 duplicates += 1
