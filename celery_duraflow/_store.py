@@ -635,18 +635,19 @@ class Store:
         fence = exists().where(runs.c.task_id == bindparam("p_task_id"),
                                runs.c.lease_owner == bindparam("p_owner"))
         relaxed = self._asynchronous_commit()
-        new_claim = select(
-            bindparam("p_task_id", type_=steps.c.task_id.type),
-            bindparam("p_step_key", type_=steps.c.step_key.type),
-            literal(STEP_RUNNING, steps.c.status.type),
-            literal(1, steps.c.attempts.type),
-            bindparam("p_now", type_=steps.c.started_at.type),
-        ).where(fence, relaxed)
+
+        def from_params(columns: list[str], condition: Any) -> Any:
+            # INSERT ... SELECT <bound values> WHERE <condition>: the insert only happens
+            # while the condition (the lease) holds. A first attempt's count is always 1.
+            values = [literal(1, steps.c.attempts.type) if name == "attempts"
+                      else bindparam(f"p_{name}", type_=steps.c[name].type)
+                      for name in columns]
+            return self._insert(steps).from_select(columns, select(*values).where(condition))
+
         statements: dict[str, Any] = {
             "claim_new": (
-                self._insert(steps)
-                .from_select(["task_id", "step_key", "status", "attempts", "started_at"],
-                             new_claim)
+                from_params(["task_id", "step_key", "status", "attempts", "started_at"],
+                            and_(fence, relaxed))
                 .on_conflict_do_nothing(index_elements=[steps.c.task_id, steps.c.step_key])
                 .returning(*steps.c)
             ),
@@ -660,42 +661,17 @@ class Store:
                 .returning(*steps.c)
             ),
         }
+        ended = ["task_id", "step_key", "status", "attempts", "output", "serializer",
+                 "started_at", "completed_at"]
         # A step with no row yet (every step of a first attempt) is one plain insert; the
         # upsert is only needed where a failed or claimed row exists.
-        new_step = select(
-            bindparam("p_task_id", type_=steps.c.task_id.type),
-            bindparam("p_step_key", type_=steps.c.step_key.type),
-            bindparam("p_status", type_=steps.c.status.type),
-            literal(1, steps.c.attempts.type),
-            bindparam("p_output", type_=steps.c.output.type),
-            bindparam("p_serializer", type_=steps.c.serializer.type),
-            bindparam("p_started_at", type_=steps.c.started_at.type),
-            bindparam("p_completed_at", type_=steps.c.completed_at.type),
-        ).where(fence)
-        insert_new = (
-            self._insert(steps)
-            .from_select(["task_id", "step_key", "status", "attempts", "output", "serializer",
-                          "started_at", "completed_at"], new_step)
-            .on_conflict_do_nothing(index_elements=[steps.c.task_id, steps.c.step_key])
-        )
+        insert_new = from_params(ended, fence).on_conflict_do_nothing(
+            index_elements=[steps.c.task_id, steps.c.step_key])
         # PostgreSQL reports the inserted rows in rowcount; elsewhere RETURNING tells.
         statements["record_new"] = (
             insert_new if self.dialect == "postgresql" else insert_new.returning(steps.c.id))
         for name, condition in (("record", fence), ("record_relaxed", and_(fence, relaxed))):
-            row = select(
-                bindparam("p_task_id", type_=steps.c.task_id.type),
-                bindparam("p_step_key", type_=steps.c.step_key.type),
-                bindparam("p_status", type_=steps.c.status.type),
-                literal(1, steps.c.attempts.type),
-                bindparam("p_output", type_=steps.c.output.type),
-                bindparam("p_serializer", type_=steps.c.serializer.type),
-                bindparam("p_error", type_=steps.c.error.type),
-                bindparam("p_started_at", type_=steps.c.started_at.type),
-                bindparam("p_completed_at", type_=steps.c.completed_at.type),
-            ).where(condition)
-            insert_ = self._insert(steps).from_select(
-                ["task_id", "step_key", "status", "attempts", "output", "serializer", "error",
-                 "started_at", "completed_at"], row)
+            insert_ = from_params([*ended, "error"], condition)
             excluded = insert_.excluded
             statements[name] = insert_.on_conflict_do_update(
                 index_elements=[steps.c.task_id, steps.c.step_key],
@@ -740,10 +716,10 @@ class Store:
         it. ``None`` means the row changed meanwhile or the lease is gone.
         """
         statements = self._step_statements
-        params: dict[str, Any] = {"p_task_id": task_id, "p_owner": owner, "p_now": _now()}
+        params: dict[str, Any] = {"p_task_id": task_id, "p_owner": owner}
         if prior is None:
             stmt = statements["claim_new"]
-            params["p_step_key"] = step_key
+            params.update(p_step_key=step_key, p_status=STEP_RUNNING, p_started_at=_now())
         else:
             stmt = statements["claim_again"]
             params.update(p_step_id=prior.id, p_prior_status=prior.status,
