@@ -206,8 +206,10 @@ class StepContext:
             # In doubt: a claimed row that never ended, or, in a run taken over from an
             # owner that died, an unfinished step reached before this attempt has recorded
             # anything (the dead owner was in it, or had not reached it: we cannot tell).
-            self.in_doubt = (prior is not None and prior.status == STEP_RUNNING) or (
-                ctx.interrupted and not ctx.recorded_any)
+            # A step that claims before its body (on_in_doubt="raise") knows exactly.
+            claimed_and_unfinished = prior is not None and prior.status == STEP_RUNNING
+            self.in_doubt = claimed_and_unfinished or (
+                self._on_in_doubt != "raise" and ctx.interrupted and not ctx.recorded_any)
             if self.in_doubt and self._on_in_doubt == "raise":
                 raise StepInDoubt(
                     f"step {self.key!r} of task {ctx.task_id} may have been started by an "

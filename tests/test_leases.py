@@ -227,6 +227,54 @@ def test_in_doubt_step_can_ask_for_a_human(make_app: Callable[..., Celery]) -> N
     assert run.step("wire-money").status == "running"  # left for the human
 
 
+def test_claiming_step_is_not_in_doubt_when_it_never_started(
+        make_app: Callable[..., Celery]) -> None:
+    """A run whose owner died before a claiming step began runs that step without asking."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+    doubts: list[bool] = []
+
+    @app.task(base=DurableTask, name="careful-two")
+    def careful(n: int) -> None:
+        with step("prepare") as s:
+            calls["prepare"] += 1
+            doubts.append(s.in_doubt)
+        with step("wire-money", on_in_doubt="raise") as s:
+            calls["wire"] += 1
+            doubts.append(s.in_doubt)
+
+    # The owner died after "prepare" completed, before "wire-money" claimed anything.
+    task_id = _interrupted_run(
+        app, careful, (1,), owner="another-host|another-machine|4242|abc",
+        lease_expires_at=datetime.now(UTC) - timedelta(seconds=1),
+        steps={"prepare": "completed"})
+    result = careful.apply(args=(1,), task_id=task_id)
+    assert result.successful(), result.traceback
+    assert calls == {"wire": 1}
+    assert doubts == [False]
+
+
+def test_default_step_after_a_death_is_reported_in_doubt(
+        make_app: Callable[..., Celery]) -> None:
+    """The first unfinished step of a run taken from a dead owner says it may have run."""
+    app = make_app()
+    doubts: list[tuple[str, bool]] = []
+
+    @app.task(base=DurableTask, name="two-steps")
+    def two(n: int) -> None:
+        for name in ("book", "notify"):
+            with step(name) as s:
+                doubts.append((name, s.in_doubt))
+
+    task_id = _interrupted_run(
+        app, two, (1,), owner="another-host|another-machine|4242|abc",
+        lease_expires_at=datetime.now(UTC) - timedelta(seconds=1), steps={})
+    assert two.apply(args=(1,), task_id=task_id).successful()
+    # book may have run (the owner died somewhere in the run); once book is recorded,
+    # notify cannot have been reached by the dead owner.
+    assert doubts == [("book", True), ("notify", False)]
+
+
 def test_recovery_sweep_resends_lost_runs(make_app: Callable[..., Celery]) -> None:
     """A run whose owner vanished is sent again by the sweep, once, and finishes."""
     app = make_app(eager=False)
