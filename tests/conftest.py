@@ -83,6 +83,22 @@ def drop_tables(url: str, prefix: str) -> None:
         engine.dispose()
 
 
+# The tables tests/proj (the project run by real `celery worker` processes) creates.
+PROJECT_TABLES = ("charges", "notify_outages", "chaos_charges", "chaos_mail_failures")
+
+
+def drop_project_tables(url: str, prefix: str) -> None:
+    """Drop tests/proj's own tables and the duraflow tables under ``prefix``."""
+    engine = create_engine(url)
+    try:
+        with engine.begin() as conn:
+            for table in PROJECT_TABLES:
+                conn.execute(text(f'DROP TABLE IF EXISTS "{prefix}{table}"'))
+    finally:
+        engine.dispose()
+    drop_tables(url, prefix)
+
+
 @pytest.fixture
 def table_prefix() -> str:
     """A table prefix of this test's own, so tests never see each other's rows."""

@@ -35,7 +35,7 @@ from celery import Celery
 from sqlalchemy import create_engine, text
 
 from celery_duraflow._store import close_all_stores
-from tests.conftest import drop_tables, postgres_stopped
+from tests.conftest import drop_project_tables, postgres_stopped
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.subprocess]
 
@@ -156,15 +156,7 @@ def cluster(pg_url: str, redis_url: str, tmp_path: Path, *,
     finally:
         c.stop()
         close_all_stores()
-        engine = create_engine(pg_url)
-        try:
-            with engine.begin() as conn:
-                for table in ("chaos_charges", "chaos_mail_failures", "charges",
-                              "notify_outages"):
-                    conn.execute(text(f'DROP TABLE IF EXISTS "{prefix}{table}"'))
-        finally:
-            engine.dispose()
-        drop_tables(pg_url, prefix)
+        drop_project_tables(pg_url, prefix)
         import redis
 
         client = redis.Redis.from_url(redis_url)

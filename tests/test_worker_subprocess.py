@@ -27,7 +27,7 @@ from sqlalchemy import create_engine, text
 
 from celery_duraflow import get_run
 from celery_duraflow._store import close_all_stores
-from tests.conftest import drop_tables
+from tests.conftest import drop_project_tables
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.subprocess]
 
@@ -114,15 +114,6 @@ def _purge(client: Celery, queue: str) -> None:
                                            f"_kombu.binding_permanent.{queue}")
 
 
-def _drop_ledger(database_url: str, prefix: str) -> None:
-    engine = create_engine(database_url)
-    try:
-        with engine.begin() as conn:
-            for table in ("charges", "notify_outages"):
-                conn.execute(text(f'DROP TABLE IF EXISTS "{prefix}{table}"'))
-    finally:
-        engine.dispose()
-
 
 @pytest.fixture
 def worker(pg_url: str, redis_url: str, table_prefix: str, tmp_path: Path) -> Iterator[Worker]:
@@ -165,8 +156,7 @@ def worker(pg_url: str, redis_url: str, table_prefix: str, tmp_path: Path) -> It
         finally:
             client.close()
             close_all_stores()
-            drop_tables(pg_url, table_prefix)
-            _drop_ledger(pg_url, table_prefix)
+            drop_project_tables(pg_url, table_prefix)
 
 
 def _wait_all(worker: Worker, results: list[AsyncResult]) -> list[object]:
