@@ -18,7 +18,6 @@ class RunContext:
 
     task_id: str
     task_name: str
-    attempt: int
     owner: str
     store: Store
     serializer: Serializer

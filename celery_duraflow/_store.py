@@ -11,6 +11,7 @@ trip and one commit; there is no BEGIN/COMMIT pair around them.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import (
     Engine,
@@ -110,28 +111,7 @@ class RunRecord:
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:
-        m = row._mapping
-        return cls(
-            task_id=m["task_id"],
-            task_name=m["task_name"],
-            status=m["status"],
-            attempts=m["attempts"],
-            result=m["result"],
-            serializer=m["serializer"],
-            error=m["error"],
-            created_at=_utc(m["created_at"]),  # type: ignore[arg-type]
-            updated_at=_utc(m["updated_at"]),  # type: ignore[arg-type]
-            finished_at=_utc(m["finished_at"]),
-            lease_owner=m["lease_owner"],
-            lease_expires_at=_utc(m["lease_expires_at"]),
-            args=m["args"],
-            args_fingerprint=m["args_fingerprint"],
-            exchange=m["exchange"],
-            routing_key=m["routing_key"],
-            retries=m["retries"],
-            recoveries=m["recoveries"],
-            interrupted=bool(m["interrupted"]),
-        )
+        return _from_columns(cls, row._mapping)
 
 
 @dataclass(frozen=True)
@@ -168,18 +148,21 @@ class StepRecord:
 
     @classmethod
     def from_mapping(cls, m: Any, prefix: str = "") -> StepRecord:
-        return cls(
-            id=m[f"{prefix}id"],
-            task_id=m[f"{prefix}task_id"],
-            key=m[f"{prefix}step_key"],
-            status=m[f"{prefix}status"],
-            attempts=m[f"{prefix}attempts"],
-            output=m[f"{prefix}output"],
-            serializer=m[f"{prefix}serializer"],
-            error=m[f"{prefix}error"],
-            started_at=_utc(m[f"{prefix}started_at"]),  # type: ignore[arg-type]
-            completed_at=_utc(m[f"{prefix}completed_at"]),
-        )
+        return _from_columns(cls, m, prefix, {"key": "step_key"})
+
+
+_R = TypeVar("_R", RunRecord, StepRecord)
+
+
+def _from_columns(cls: type[_R], m: Any, prefix: str = "",
+                  columns: dict[str, str] | None = None) -> _R:
+    """A record from a row: each field from its column, timestamps made UTC-aware."""
+    names = columns or {}
+    values: dict[str, Any] = {}
+    for name in (field.name for field in dataclasses.fields(cls)):
+        value = m[prefix + names.get(name, name)]
+        values[name] = _utc(value) if isinstance(value, datetime) else value
+    return cls(**values)
 
 
 def _now() -> datetime:

@@ -94,10 +94,9 @@ class DurableTask(Task):  # type: ignore[misc]
             except StoreUnavailable as exc:
                 self._release(store, task_id, owner, recover_after=config.lease_seconds)
                 self._come_back_later(exc)
-        ctx = RunContext(task_id=task_id, task_name=self.name, attempt=run.attempts,
-                         owner=owner, store=store, serializer=serializer,
-                         serializer_name=config.serializer, recorded=recorded,
-                         interrupted=run.interrupted)
+        ctx = RunContext(task_id=task_id, task_name=self.name, owner=owner, store=store,
+                         serializer=serializer, serializer_name=config.serializer,
+                         recorded=recorded, interrupted=run.interrupted)
         token = current_run.set(ctx)
         try:
             result = super().__call__(*args, **kwargs)
