@@ -31,6 +31,8 @@ class RunContext:
     occurrences: dict[tuple[str, str], int] = field(default_factory=dict)
     # Steps entered and not yet exited, innermost last.
     stack: list[StepContext] = field(default_factory=list)
+    # How many steps this attempt has reached so far, nested ones included.
+    reached: int = 0
 
     def next_key(self, name: str) -> str:
         """The key of the next occurrence of ``name`` in the current parent step."""
@@ -38,6 +40,7 @@ class RunContext:
         count = self.occurrences.get((parent, name), 0) + 1
         self.occurrences[(parent, name)] = count
         key = name if count == 1 else f"{name}#{count}"
+        self.reached += 1
         return f"{parent}/{key}" if parent else key
 
 

@@ -25,6 +25,7 @@ from sqlalchemy import (
     Index,
     Integer,
     MetaData,
+    PrimaryKeyConstraint,
     String,
     Table,
     Text,
@@ -78,30 +79,7 @@ def build_tables(prefix: str) -> Tables:
         *_v2_run_columns(),
         *_v3_run_columns(),
     )
-    steps = Table(
-        f"{prefix}steps",
-        metadata,
-        Column(
-            "id",
-            BigInteger().with_variant(Integer, "sqlite"),
-            primary_key=True,
-            autoincrement=True,
-        ),
-        # No foreign key to runs (dropped in version 4): a step row is only written
-        # under the run's lease, which the same statement checks, and a key check would
-        # lock and rewrite the run row on every step.
-        Column("task_id", String(TASK_ID_LENGTH), nullable=False),
-        Column("step_key", String(STEP_KEY_LENGTH), nullable=False),
-        Column("status", String(16), nullable=False),
-        Column("attempts", Integer, nullable=False),
-        Column("output", Text, nullable=True),
-        Column("serializer", String(100), nullable=True),
-        Column("error", Text, nullable=True),
-        Column("started_at", DateTime(timezone=True), nullable=False),
-        Column("completed_at", DateTime(timezone=True), nullable=True),
-        # The last line of defence: one row per step of a run, whatever happens above.
-        UniqueConstraint("task_id", "step_key", name=f"{prefix}steps_task_step_key"),
-    )
+    steps = _v5_steps(prefix, metadata)
     Index(f"{prefix}runs_status_updated", runs.c.status, runs.c.updated_at)
     Index(f"{prefix}runs_status_lease", runs.c.status, runs.c.lease_expires_at)
     return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps)
@@ -130,6 +108,32 @@ def _v3_run_columns() -> list[Column[object]]:
         # may have run already, so it is reported in doubt.
         Column("interrupted", Boolean, nullable=False, server_default=false()),
     ]
+
+
+def _v5_steps(prefix: str, metadata: MetaData, name: str | None = None) -> Table:
+    return Table(
+        name or f"{prefix}steps",
+        metadata,
+        # No foreign key to runs (dropped in version 4, on SQLite in 5): a step row is only written
+        # under the run's lease, which the same statement checks, and a key check would
+        # lock and rewrite the run row on every step.
+        Column("task_id", String(TASK_ID_LENGTH), nullable=False),
+        Column("step_key", String(STEP_KEY_LENGTH), nullable=False),
+        Column("status", String(16), nullable=False),
+        Column("attempts", Integer, nullable=False),
+        Column("output", Text, nullable=True),
+        Column("serializer", String(100), nullable=True),
+        Column("error", Text, nullable=True),
+        Column("started_at", DateTime(timezone=True), nullable=False),
+        Column("completed_at", DateTime(timezone=True), nullable=True),
+        # Where the step was reached in its run: 1 for the first step entered, and so on,
+        # nested steps included. NULL for steps recorded before version 5.
+        Column("position", Integer, nullable=True),
+        # The last line of defence: one row per step of a run, whatever happens above.
+        # Since version 5 it is the primary key, the table's only index (no surrogate id,
+        # no sequence): each step row costs one index entry.
+        PrimaryKeyConstraint("task_id", "step_key", name=f"{prefix}steps_task_step_key"),
+    )
 
 
 # Each migration declares the tables as they were at its version, so that it means
@@ -204,12 +208,35 @@ def _v4_no_step_foreign_key(conn: Connection, tables: Tables) -> None:
             conn.execute(text(f"ALTER TABLE {quote(steps)} DROP CONSTRAINT {quote(name)}"))
 
 
+def _v5_step_primary_key(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    steps = f"{prefix}steps"
+    quote = conn.dialect.identifier_preparer.quote
+    if conn.dialect.name == "postgresql":
+        pkey = conn.dialect.get_pk_constraint(conn, steps)["name"] or f"{steps}_pkey"
+        key = f"{prefix}steps_task_step_key"
+        conn.execute(text(
+            f"ALTER TABLE {quote(steps)} DROP CONSTRAINT {quote(pkey)}, "
+            f"DROP CONSTRAINT {quote(key)}, DROP COLUMN id, ADD COLUMN position INTEGER, "
+            f"ADD CONSTRAINT {quote(key)} PRIMARY KEY (task_id, step_key)"))
+        return
+    # SQLite cannot change a primary key in place: build the new table, copy, swap.
+    new = _v5_steps(prefix, MetaData(), name=f"{prefix}steps_v5")
+    new.create(conn)
+    columns = ", ".join(c.name for c in new.columns if c.name != "position")
+    conn.execute(text(f"INSERT INTO {quote(new.name)} ({columns}) "
+                      f"SELECT {columns} FROM {quote(steps)}"))
+    conn.execute(text(f"DROP TABLE {quote(steps)}"))
+    conn.execute(text(f"ALTER TABLE {quote(new.name)} RENAME TO {quote(steps)}"))
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
     (2, "run leases, arguments and recovery", _v2_leases),
     (3, "runs remember an interrupted owner", _v3_interrupted),
     (4, "no foreign key from steps to runs", _v4_no_step_foreign_key),
+    (5, "steps keyed by (task_id, step_key), with their position", _v5_step_primary_key),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

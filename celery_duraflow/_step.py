@@ -85,6 +85,8 @@ class StepContext:
         attempt: how many times the body has been started, this time included.
         idempotency_key: a UUID string that is the same on every attempt of
             this step of this run. Pass it to payment and booking APIs.
+        position: where the step was reached in its run: 1 for the first step,
+            nested steps counted in the order they are entered.
     """
 
     __slots__ = (
@@ -101,6 +103,7 @@ class StepContext:
         "in_doubt",
         "key",
         "name",
+        "position",
         "result",
     )
 
@@ -120,6 +123,7 @@ class StepContext:
             )
         self._ctx: RunContext = ctx
         self.key: str = ctx.next_key(name)
+        self.position: int = ctx.reached
         self.result: Any = None
         self.cached = False
         self.in_doubt = False
@@ -226,7 +230,8 @@ class StepContext:
             if self._on_in_doubt == "raise":
                 # Only this policy needs a record that the body started, to recognise an
                 # interruption later; every other step is written once, when it ends.
-                claim = ctx.store.claim_step(ctx.task_id, self.key, ctx.owner, prior)
+                claim = ctx.store.claim_step(ctx.task_id, self.key, ctx.owner, prior,
+                                             position=self.position)
                 if claim is None:
                     self._use_stored(self._lost_claim())
                     ctx.stack.append(self)
@@ -322,7 +327,7 @@ class StepContext:
         if not ctx.store.record_step(
                 ctx.task_id, self.key, ctx.owner, status=status, started_at=self._started_at,
                 output=output, serializer=ctx.serializer_name if output is not None else None,
-                error=error, claimed=self._claimed, new=self._new):
+                error=error, claimed=self._claimed, new=self._new, position=self.position):
             self._lost_record()
         ctx.recorded_any = True
 

@@ -131,7 +131,6 @@ class Delivery:
 class StepRecord:
     """One row of the steps table."""
 
-    id: int
     task_id: str
     key: str
     status: str
@@ -141,6 +140,7 @@ class StepRecord:
     error: str | None
     started_at: datetime
     completed_at: datetime | None
+    position: int | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> StepRecord:
@@ -190,28 +190,34 @@ def _sqlite_engine_events(engine: Engine) -> None:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def _hung_up(dbapi_conn: Any) -> str | None:
+    """Why a psycopg connection is visibly unusable, at the cost of one select(); or None.
+
+    When PostgreSQL restarts it tells every connection so and closes it; an
+    idle connection then has data or EOF waiting on its socket.
+    """
+    try:
+        if dbapi_conn.closed or dbapi_conn.broken:
+            return "the connection is closed"
+        readable, _, _ = select_module.select([dbapi_conn.pgconn.socket], [], [], 0)
+    except Exception as exc:
+        return f"the connection is unusable: {exc}"
+    return "the server closed the connection while it was idle" if readable else None
+
+
 def _postgres_engine_events(engine: Engine) -> None:
     """Notice, at no cost, pooled connections the server closed while they sat idle.
 
-    When PostgreSQL restarts it tells every connection so and closes it; an
-    idle pooled connection then has data or EOF waiting on its socket. A
-    zero-timeout select() at checkout sees that and makes the pool open a
-    fresh connection, so the first statement after an outage succeeds,
-    without the extra round trip of ``pool_pre_ping``.
+    A zero-timeout select() at checkout (see :func:`_hung_up`) makes the pool
+    open a fresh connection instead, so the first statement after an outage
+    succeeds, without the extra round trip of ``pool_pre_ping``.
     """
 
     @event.listens_for(engine, "checkout")
     def _on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
-        try:
-            if dbapi_conn.closed or dbapi_conn.broken:
-                raise DisconnectionError("the connection is closed")
-            readable, _, _ = select_module.select([dbapi_conn.pgconn.socket], [], [], 0)
-        except DisconnectionError:
-            raise
-        except Exception as exc:
-            raise DisconnectionError(f"the connection is unusable: {exc}") from exc
-        if readable:
-            raise DisconnectionError("the server closed the connection while it was idle")
+        problem = _hung_up(dbapi_conn)
+        if problem:
+            raise DisconnectionError(problem)
 
 
 class Store:
@@ -225,6 +231,8 @@ class Store:
         self._engine_pid: int | None = None
         self._schema_ready = False
         self._lock = threading.Lock()
+        # The connection a thread holds for the attempt it is running (see held_connection).
+        self._held = threading.local()
 
     # -- engine and schema ---------------------------------------------------------------
 
@@ -337,6 +345,71 @@ class Store:
             ) from exc
 
     @contextmanager
+    def held_connection(self) -> Iterator[None]:
+        """Let this thread keep one pooled connection until the block ends (an attempt).
+
+        Every statement of an attempt then goes to the same connection
+        without a trip through the pool, which costs about as much Python
+        time per statement as the rest of a step's client side. Before each
+        use the connection is checked like a pool checkout (one select()) and
+        replaced if the server closed it, and it is dropped after an error
+        that makes the store unavailable. Nested blocks share the outer
+        block's connection. PostgreSQL only: SQLite writes are transactions.
+        A worker therefore holds one connection per running attempt; size
+        ``pool_size`` in ``duraflow_engine_options`` to the worker's concurrency
+        when it runs more than five attempts at once in one process.
+        """
+        if self.dialect != "postgresql":
+            yield
+            return
+        held = self._held
+        depth = getattr(held, "depth", 0)
+        held.depth = depth + 1
+        try:
+            yield
+        finally:
+            held.depth = depth
+            if depth == 0:
+                self._drop_held(invalidate=False)
+
+    def _drop_held(self, *, invalidate: bool) -> None:
+        held = self._held
+        conn: Connection | None = getattr(held, "conn", None)
+        held.conn = None
+        if conn is None:
+            return
+        try:
+            if invalidate:
+                conn.invalidate()
+            conn.close()
+        except Exception:  # pragma: no cover - a broken connection's last words
+            logger.debug("closing a held connection failed", exc_info=True)
+
+    @contextmanager
+    def _connect(self) -> Iterator[Connection]:
+        """A connection for one statement: the thread's held one, or one from the pool."""
+        held = self._held
+        if not getattr(held, "depth", 0):
+            with self.engine.connect() as pooled:
+                yield pooled
+            return
+        engine = self.engine
+        conn: Connection | None = getattr(held, "conn", None)
+        if conn is not None and (conn.closed or conn.invalidated
+                                 or getattr(held, "engine", None) is not engine
+                                 or _hung_up(conn.connection.driver_connection)):
+            self._drop_held(invalidate=True)
+            conn = None
+        if conn is None:
+            conn = engine.connect()
+            held.conn, held.engine = conn, engine
+        try:
+            yield conn
+        except _UNAVAILABLE:
+            self._drop_held(invalidate=True)
+            raise
+
+    @contextmanager
     def _write(self, action: str, task_id: str | None = None,
                step_key: str | None = None) -> Iterator[Connection]:
         """A connection for one write that is durable when the block ends."""
@@ -344,7 +417,7 @@ class Store:
         with self._unavailable(action, task_id, step_key):
             if self.dialect == "postgresql":
                 # One statement, committed by the server on its own (an autocommit engine).
-                with self.engine.connect() as conn:
+                with self._connect() as conn:
                     yield conn
             else:
                 with self.engine.begin() as conn:
@@ -354,23 +427,27 @@ class Store:
     def _read(self, action: str, task_id: str | None = None,
               step_key: str | None = None) -> Iterator[Connection]:
         self.ensure_schema(task_id, step_key)
-        with self._unavailable(action, task_id, step_key), self.engine.connect() as conn:
-            yield conn
+        with self._unavailable(action, task_id, step_key):
+            if self.dialect == "postgresql":
+                with self._connect() as conn:
+                    yield conn
+            else:
+                with self.engine.connect() as conn:
+                    yield conn
 
     def check_reachable(self, task_id: str, step_key: str) -> None:
         """Raise StoreUnavailable if the database is visibly gone, before a step's body runs.
 
-        Taking a connection from the pool runs the checkout check above: a
-        server that shut down or restarted has closed the pooled connections,
-        and if a new one cannot be opened the step stops here, with nothing
-        run. It costs no round trip. A network that fails silently is only
+        The attempt's connection is checked as a pool checkout checks it: a
+        server that shut down or restarted has closed it, and if a new one
+        cannot be opened the step stops here, with nothing run. It costs no
+        round trip. A network that fails silently is only
         noticed when the step's end is written; that step is then in doubt.
         """
         if self.dialect != "postgresql":
             return
         self.ensure_schema(task_id, step_key)
-        with self._unavailable("checking the connection", task_id, step_key), \
-                self.engine.connect():
+        with self._unavailable("checking the connection", task_id, step_key), self._connect():
             pass
 
     def _insert(self, table: Any) -> Any:
@@ -431,7 +508,7 @@ class Store:
             .select_from(attempt.outerjoin(steps, and_(
                 steps.c.task_id == attempt.c.task_id,
                 attempt.c.lease_owner == delivery.owner)))
-            .order_by(steps.c.started_at, steps.c.id)
+            .order_by(*self._step_order)
         )
         with self._write("starting an attempt", task_id) as conn:
             rows = conn.execute(query).all()
@@ -439,7 +516,7 @@ class Store:
         if run.lease_owner != delivery.owner:
             return run, None
         loaded = [StepRecord.from_mapping(row._mapping, prefix="step_")
-                  for row in rows if row._mapping["step_id"] is not None]
+                  for row in rows if row._mapping["step_step_key"] is not None]
         return run, {record.key: record for record in loaded}
 
     def _acquired_values(self, delivery: Delivery, now: datetime,
@@ -593,8 +670,7 @@ class Store:
     def load_steps(self, task_id: str) -> dict[str, StepRecord]:
         """Every recorded step of a run, by key, in one query."""
         steps = self.tables.steps
-        stmt = (select(steps).where(steps.c.task_id == task_id)
-                .order_by(steps.c.started_at, steps.c.id))
+        stmt = select(steps).where(steps.c.task_id == task_id).order_by(*self._step_order)
         with self._read("loading the recorded steps", task_id) as conn:
             rows = conn.execute(stmt).all()
         return {record.key: record for record in map(StepRecord.from_row, rows)}
@@ -605,6 +681,13 @@ class Store:
         with self._read("reading a step", task_id, step_key) as conn:
             row = conn.execute(stmt).first()
         return StepRecord.from_row(row) if row is not None else None
+
+    @property
+    def _step_order(self) -> tuple[Any, ...]:
+        steps = self.tables.steps
+        # started_at is a step's first start; position breaks ties between steps started
+        # within one clock tick (rows from before version 5 have none).
+        return (steps.c.started_at, steps.c.position, steps.c.step_key)
 
     @functools.cached_property
     def _step_statements(self) -> dict[str, Any]:
@@ -629,30 +712,32 @@ class Store:
 
         statements: dict[str, Any] = {
             "claim_new": (
-                from_params(["task_id", "step_key", "status", "attempts", "started_at"],
+                from_params(["task_id", "step_key", "status", "attempts", "started_at",
+                             "position"],
                             and_(fence, relaxed))
                 .on_conflict_do_nothing(index_elements=[steps.c.task_id, steps.c.step_key])
                 .returning(*steps.c)
             ),
             "claim_again": (
                 update(steps)
-                .where(steps.c.id == bindparam("p_step_id"),
+                .where(steps.c.task_id == bindparam("p_task_id"),
+                       steps.c.step_key == bindparam("p_step_key"),
                        steps.c.status == bindparam("p_prior_status"),
                        steps.c.attempts == bindparam("p_prior_attempts"), fence, relaxed)
                 .values(status=STEP_RUNNING, attempts=bindparam("p_attempts"),
-                        completed_at=None, error=None)
+                        completed_at=None, error=None, position=bindparam("p_position"))
                 .returning(*steps.c)
             ),
         }
         ended = ["task_id", "step_key", "status", "attempts", "output", "serializer",
-                 "started_at", "completed_at"]
+                 "started_at", "completed_at", "position"]
         # A step with no row yet (every step of a first attempt) is one plain insert; the
         # upsert is only needed where a failed or claimed row exists.
         insert_new = from_params(ended, fence).on_conflict_do_nothing(
             index_elements=[steps.c.task_id, steps.c.step_key])
         # PostgreSQL reports the inserted rows in rowcount; elsewhere RETURNING tells.
         statements["record_new"] = (
-            insert_new if self.dialect == "postgresql" else insert_new.returning(steps.c.id))
+            insert_new if self.dialect == "postgresql" else insert_new.returning(steps.c.task_id))
         for name, condition in (("record", fence), ("record_relaxed", and_(fence, relaxed))):
             insert_ = from_params([*ended, "error"], condition)
             excluded = insert_.excluded
@@ -666,10 +751,11 @@ class Store:
                     "error": excluded.error,
                     # started_at keeps the first start: steps are listed in that order.
                     "completed_at": excluded.completed_at,
+                    "position": excluded.position,
                 },
                 # A completed step is final: nothing overwrites it.
                 where=steps.c.status != STEP_COMPLETED,
-            ).returning(steps.c.id)
+            ).returning(steps.c.task_id)
         return statements
 
     @functools.cached_property
@@ -689,7 +775,7 @@ class Store:
         return compiled_records
 
     def claim_step(self, task_id: str, step_key: str, owner: str,
-                   prior: StepRecord | None) -> StepRecord | None:
+                   prior: StepRecord | None, *, position: int | None = None) -> StepRecord | None:
         """Record that a step's body is about to run, if this owner holds the run.
 
         Only steps that must be able to tell afterwards that they were
@@ -699,13 +785,14 @@ class Store:
         it. ``None`` means the row changed meanwhile or the lease is gone.
         """
         statements = self._step_statements
-        params: dict[str, Any] = {"p_task_id": task_id, "p_owner": owner}
+        params: dict[str, Any] = {"p_task_id": task_id, "p_owner": owner, "p_step_key": step_key,
+                                  "p_position": position}
         if prior is None:
             stmt = statements["claim_new"]
-            params.update(p_step_key=step_key, p_status=STEP_RUNNING, p_started_at=_now())
+            params.update(p_status=STEP_RUNNING, p_started_at=_now())
         else:
             stmt = statements["claim_again"]
-            params.update(p_step_id=prior.id, p_prior_status=prior.status,
+            params.update(p_prior_status=prior.status,
                           p_prior_attempts=prior.attempts, p_attempts=prior.attempts + 1)
         with self._write("claiming the step", task_id, step_key) as conn:
             row = conn.execute(stmt, params).first()
@@ -714,7 +801,8 @@ class Store:
     def record_step(self, task_id: str, step_key: str, owner: str, *, status: str,
                     started_at: datetime, output: str | None = None,
                     serializer: str | None = None, error: str | None = None,
-                    claimed: bool = False, new: bool = False) -> bool:
+                    claimed: bool = False, new: bool = False,
+                    position: int | None = None) -> bool:
         """Write how a step ended, in one statement, if this owner still holds the run.
 
         An upsert on ``(task_id, step_key)``: it creates the row, or updates a
@@ -729,7 +817,7 @@ class Store:
         params = {"p_task_id": task_id, "p_owner": owner, "p_step_key": step_key,
                   "p_status": status, "p_output": output, "p_serializer": serializer,
                   "p_error": error, "p_started_at": started_at,
-                  "p_completed_at": _now() if completed else None,
+                  "p_completed_at": _now() if completed else None, "p_position": position,
                   # A claimed row already counted this attempt.
                   "p_increment": 0 if claimed else 1}
         name = ("record_new" if new and not claimed else "record") if completed else (

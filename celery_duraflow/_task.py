@@ -66,23 +66,25 @@ class DurableTask(Task):  # type: ignore[misc]
         # An eager retry nested in its caller's attempt continues under the caller's lease.
         owner = outer.owner if outer is not None and outer.task_id == task_id else new_owner()
         delivery = self._delivery(owner, args, kwargs, serializer)
+        # Every statement of this attempt goes to one connection, kept until it ends.
+        with store.held_connection():
+            try:
+                run, recorded = store.begin_attempt(task_id, delivery)
+            except StoreUnavailable as exc:
+                self._come_back_later(exc)
+            if run.lease_owner != owner:
+                taken = self._not_ours(store, config, run, delivery)
+                if taken is None:
+                    return decode(run.result, run.serializer, config.serializer,
+                                  task_id=task_id, step_key=None)
+                run, recorded = taken, None
 
-        try:
-            run, recorded = store.begin_attempt(task_id, delivery)
-        except StoreUnavailable as exc:
-            self._come_back_later(exc)
-        if run.lease_owner != owner:
-            taken = self._not_ours(store, config, run, delivery)
-            if taken is None:
-                return decode(run.result, run.serializer, config.serializer,
-                              task_id=task_id, step_key=None)
-            run, recorded = taken, None
-
-        keeper().hold(store, task_id, owner)
-        try:
-            return self._attempt(store, config, serializer, run, recorded, owner, args, kwargs)
-        finally:
-            keeper().release(store, task_id, owner)
+            keeper().hold(store, task_id, owner)
+            try:
+                return self._attempt(store, config, serializer, run, recorded, owner, args,
+                                     kwargs)
+            finally:
+                keeper().release(store, task_id, owner)
 
     def _attempt(self, store: Store, config: Config, serializer: Serializer, run: RunRecord,
                  recorded: dict[str, StepRecord] | None, owner: str, args: tuple[Any, ...],

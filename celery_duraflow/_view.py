@@ -22,6 +22,7 @@ class StepView:
     completed_at: datetime | None
     result: Any
     error: str | None
+    position: int | None = None
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def _step_view(record: StepRecord, config: Config) -> StepView:
                         task_id=record.task_id, step_key=record.key)
     return StepView(key=record.key, status=record.status, attempts=record.attempts,
                     started_at=record.started_at, completed_at=record.completed_at,
-                    result=result, error=record.error)
+                    result=result, error=record.error, position=record.position)
 
 
 def _run_view(run: RunRecord, steps: list[StepRecord], config: Config) -> RunView:

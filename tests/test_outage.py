@@ -82,3 +82,31 @@ def test_restart_while_idle_needs_no_failed_attempt(pg_app: Celery) -> None:
         pass
     assert task.apply().get() == "done"
     assert calls["work"] == 2
+
+
+def test_restart_inside_a_step_body_records_its_end_on_a_new_connection(
+        pg_app: Celery) -> None:
+    """The attempt's own connection, closed by a restart mid-body, is replaced, not failed on."""
+    calls: Counter[str] = Counter()
+
+    @pg_app.task(base=DurableTask)
+    def task() -> str:
+        with step("before") as s:
+            s.result = 1
+        with step("across-restart") as s:
+            calls["across"] += 1
+            with postgres_stopped():
+                pass
+            s.result = "recorded"
+        with step("after") as s:
+            calls["after"] += 1
+            s.result = "done"
+        return str(s.result)
+
+    result = task.apply()
+    assert result.get() == "done"
+    assert calls == {"across": 1, "after": 1}
+    run = get_run(result.id, app=pg_app)
+    assert run is not None and run.status == "succeeded" and run.attempts == 1
+    assert [(v.key, v.result) for v in run.steps] == [
+        ("before", 1), ("across-restart", "recorded"), ("after", "done")]

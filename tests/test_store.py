@@ -99,8 +99,8 @@ def test_unique_constraint_is_the_last_line_of_defence(
     app = make_app()
     store = _store(app)
     store.ensure_schema()
-    constraints = inspect(store.engine).get_unique_constraints(store.tables.steps.name)
-    assert any(c["column_names"] == ["task_id", "step_key"] for c in constraints)
+    key = inspect(store.engine).get_pk_constraint(store.tables.steps.name)
+    assert key["constrained_columns"] == ["task_id", "step_key"]
     owner = new_owner()
     run, _ = store.begin_attempt("t1", Delivery(task_name="task", owner=owner))
     assert run.lease_owner == owner
@@ -137,6 +137,36 @@ def test_sql_per_attempt(make_app: Callable[..., Celery]) -> None:
     # (one round trip), a separate SELECT on SQLite.
     loads = 0 if store.dialect == "postgresql" else 2
     assert round_trips[0] == (1 + 20 + 1 + 1) + (1 + 1 + 1) + loads
+
+
+@pytest.mark.postgres
+def test_an_attempt_holds_one_connection(pg_url: str, table_prefix: str) -> None:
+    """All statements of an attempt share one pooled connection; it goes back at the end."""
+    app = app_factory(pg_url, table_prefix)()
+
+    @app.task(base=DurableTask)
+    def task(n: int) -> int:
+        total = 0
+        for i in range(n):
+            with step("s") as s:
+                s.result = i
+            total += s.result
+        return total
+
+    store = _store(app)
+    try:
+        store.ensure_schema()
+        checkouts: list[int] = []
+        event.listen(store.engine, "checkout",
+                     lambda dbapi_conn, *_: checkouts.append(id(dbapi_conn)))
+        assert task.apply(args=(10,)).get() == 45
+        assert len(checkouts) == 1
+        assert store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        assert task.apply(args=(3,)).get() == 3
+        assert len(checkouts) == 2
+    finally:
+        store.close()
+        drop_tables(pg_url, table_prefix)
 
 
 def test_succeeded_redelivery_is_one_statement(make_app: Callable[..., Celery]) -> None:
@@ -292,7 +322,58 @@ def test_migrations_build_the_current_model(make_app: Callable[..., Celery]) -> 
         assert columns == {c.name for c in table.columns}, table.name
         indexes = {i["name"] for i in inspector.get_indexes(table.name)}
         assert indexes >= {i.name for i in table.indexes}, table.name
-    uniques = inspector.get_unique_constraints(store.tables.steps.name)
-    assert [u["column_names"] for u in uniques] == [["task_id", "step_key"]]
-    if store.dialect == "postgresql":
-        assert inspector.get_foreign_keys(store.tables.steps.name) == []
+    # (task_id, step_key) is the primary key: the one unique index of the steps table.
+    assert inspector.get_pk_constraint(store.tables.steps.name)["constrained_columns"] == [
+        "task_id", "step_key"]
+    assert inspector.get_unique_constraints(store.tables.steps.name) == []
+    assert inspector.get_foreign_keys(store.tables.steps.name) == []
+
+
+def test_upgrade_to_the_step_primary_key_keeps_every_recorded_step(
+        make_app: Callable[..., Celery]) -> None:
+    """Version 5 re-keys the steps table; what versions 1 to 4 recorded is all still there."""
+    from datetime import UTC, datetime
+
+    from celery_duraflow._schema import MIGRATIONS, Tables, migrate
+
+    app = make_app()
+    store = _store(app)
+    engine = store._transactional()
+    tables: Tables = store.tables
+    with engine.begin() as conn:
+        tables.schema_version.create(conn)
+        for version, description, apply in MIGRATIONS[:4]:
+            apply(conn, tables)
+            conn.execute(tables.schema_version.insert().values(
+                version=version, description=description, applied_at=datetime.now(UTC)))
+        now = datetime.now(UTC)
+        conn.execute(tables.runs.insert().values(
+            task_id="old-run", task_name="proj.old", status="running", attempts=2,
+            created_at=now, updated_at=now))
+        for n, status in enumerate(["completed", "completed", "failed"]):
+            conn.exec_driver_sql(
+                f"INSERT INTO {tables.steps.name} (task_id, step_key, status, attempts, output, "
+                "serializer, started_at) VALUES (%s, %s, %s, 1, %s, 'json', %s)"
+                if store.dialect == "postgresql" else
+                f"INSERT INTO {tables.steps.name} (task_id, step_key, status, attempts, output, "
+                "serializer, started_at) VALUES (?, ?, ?, 1, ?, 'json', ?)",
+                ("old-run", f"s{n}", status, str(n) if status == "completed" else None,
+                 now.replace(microsecond=n)))
+
+    assert migrate(engine, tables, store.config.table_prefix) == list(
+        range(5, LATEST_VERSION + 1))
+    steps = store.load_steps("old-run")
+    assert [(k, r.status, r.output, r.position) for k, r in steps.items()] == [
+        ("s0", "completed", "0", None), ("s1", "completed", "1", None),
+        ("s2", "failed", None, None)]
+    # The upgraded table is the current one: the key holds, and new steps get a position.
+    with pytest.raises(IntegrityError), store.engine.begin() as conn:
+        conn.execute(store.tables.steps.insert().values(
+            task_id="old-run", step_key="s0", status="running", attempts=1,
+            started_at=func.now()))
+    owner = new_owner()
+    store.begin_attempt("old-run", Delivery(task_name="proj.old", owner=owner))
+    assert store.record_step("old-run", "s3", owner, status="completed", output="3",
+                             serializer="json", started_at=datetime.now(UTC), new=True,
+                             position=4)
+    assert store.get_step("old-run", "s3").position == 4  # type: ignore[union-attr]
