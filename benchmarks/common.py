@@ -99,19 +99,33 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def interleaved(variants: dict[str, Callable[[], object]], per_round: dict[str, int],
-                rounds: int, warmup: int) -> dict[str, Samples]:
+                rounds: int, warmup: int,
+                bursts: dict[str, int] | None = None) -> dict[str, Samples]:
     """Time each variant ``per_round[name]`` times per round, the variants taking turns.
 
-    Taking turns within every round spreads slow drift (autovacuum, another process, the
-    page cache) over all the variants instead of charging it to whichever ran last.
+    Within a round the calls are spread evenly, one at a time (or in bursts of
+    ``bursts[name]`` calls back to back), so that slow drift on a shared machine
+    (autovacuum, another process, the page cache, the CPU's own speed) reaches every
+    variant alike instead of whichever ran in the slow spell. The floor INSERT runs in
+    bursts: back to back is its best case, and a step's write is always preceded by
+    the same connection's previous statement.
     """
     for fn in variants.values():
         for _ in range(warmup):
             fn()
+    bursts = bursts or {}
+    schedule: list[tuple[float, str, int]] = []
+    for name, count in per_round.items():
+        size = max(1, min(bursts.get(name, 1), count))
+        units = -(-count // size)
+        for i in range(units):
+            schedule.append(((i + 0.5) / units, name, min(size, count - i * size)))
+    schedule.sort()
     samples = {name: Samples() for name in variants}
     for _ in range(rounds):
-        for name, fn in variants.items():
-            for _ in range(per_round[name]):
+        for _, name, size in schedule:
+            fn = variants[name]
+            for _ in range(size):
                 samples[name].add(timed(fn))
     return samples
 
