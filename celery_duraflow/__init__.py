@@ -14,13 +14,18 @@ from ._rewrite import durable
 from ._step import StepContext, step
 from ._task import DurableTask
 from ._view import RunView, StepView, get_run
+from ._waits import child, send_signal, sleep, wait_for_signal
 from .errors import (
+    ChildFailed,
+    ChildTimeout,
     ConfigurationError,
     DuraflowError,
     InvalidStepName,
     LeaseLost,
     NotInDurableTask,
     RunArgumentsMismatch,
+    RunNotFound,
+    SignalTimeout,
     StepConflict,
     StepInDoubt,
     StepNotPrepared,
@@ -31,6 +36,8 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChildFailed",
+    "ChildTimeout",
     "ConfigurationError",
     "DurableTask",
     "DuraflowError",
@@ -38,7 +45,9 @@ __all__ = [
     "LeaseLost",
     "NotInDurableTask",
     "RunArgumentsMismatch",
+    "RunNotFound",
     "RunView",
+    "SignalTimeout",
     "StepConflict",
     "StepContext",
     "StepInDoubt",
@@ -47,9 +56,13 @@ __all__ = [
     "StepView",
     "StoreUnavailable",
     "__version__",
+    "child",
     "durable",
     "get_run",
     "recover",
     "recovery_beat_entry",
+    "send_signal",
+    "sleep",
     "step",
+    "wait_for_signal",
 ]

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._config import Config
     from ._serialization import Serializer
     from ._step import StepContext
     from ._store import StepRecord, Store
@@ -23,6 +24,9 @@ class RunContext:
     serializer: Serializer
     serializer_name: str
     recorded: dict[str, StepRecord]
+    # The task object of this attempt (its app sends child runs) and the configuration.
+    task: Any = None
+    config: Config | None = None
     # The run was taken over from an owner that died: its first unfinished step is in doubt.
     interrupted: bool = False
     # Whether this attempt has recorded the end of any step yet.
@@ -31,17 +35,39 @@ class RunContext:
     occurrences: dict[tuple[str, str], int] = field(default_factory=dict)
     # Steps entered and not yet exited, innermost last.
     stack: list[StepContext] = field(default_factory=list)
-    # How many steps this attempt has reached so far, nested ones included.
-    reached: int = 0
+    # How many steps this attempt has reached in each parent step ("" at the top).
+    reached: dict[str, int] = field(default_factory=dict)
 
-    def next_key(self, name: str) -> str:
-        """The key of the next occurrence of ``name`` in the current parent step."""
+    def next_key(self, name: str) -> tuple[str, int]:
+        """The key of the next occurrence of ``name`` in the current parent step, and its
+        position among that parent's steps (1 for the first).
+
+        Both count within the parent, never across the run: when a parent step is
+        answered from the store its body and its children are not reached, and the
+        steps after it must keep their keys and positions all the same.
+        """
         parent = self.stack[-1].key if self.stack else ""
         count = self.occurrences.get((parent, name), 0) + 1
         self.occurrences[(parent, name)] = count
         key = name if count == 1 else f"{name}#{count}"
-        self.reached += 1
-        return f"{parent}/{key}" if parent else key
+        position = self.reached[parent] = self.reached.get(parent, 0) + 1
+        return (f"{parent}/{key}" if parent else key), position
+
+
+class Suspended(BaseException):
+    """The attempt ends at a wait; :class:`DurableTask` turns this into ``Ignore``.
+
+    A ``BaseException``, so that the user's ``except Exception`` cannot swallow it.
+    ``countdown`` is set when the task must also be sent again after that many
+    seconds (a short remaining time).
+    """
+
+    def __init__(self, task_id: str, key: str, status: str, countdown: float | None) -> None:
+        super().__init__(f"task {task_id} is {status} at {key!r}")
+        self.task_id = task_id
+        self.key = key
+        self.status = status
+        self.countdown = countdown
 
 
 # Reset in a ``finally`` by DurableTask.__call__: worker pools reuse threads.

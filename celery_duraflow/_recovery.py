@@ -1,4 +1,7 @@
-"""The recovery sweep: send runs whose owner vanished back to the broker.
+"""The sweep: send runs that need a delivery back to the broker.
+
+It wakes sleeping and waiting runs whose time is up (and waiting runs whose
+signal or child end arrived without waking them), and recovers lost runs.
 
 A run is lost when its attempt's process died (SIGKILL, OOM, a machine gone)
 without the broker delivering its message again, or when a retry Celery
@@ -22,7 +25,7 @@ from celery import shared_task
 
 from ._config import config_for_app
 from ._serialization import decode
-from ._store import RunRecord, store_for
+from ._store import RUNNING, RunRecord, store_for
 
 logger = logging.getLogger("celery_duraflow.recovery")
 
@@ -38,8 +41,20 @@ def _route(run: RunRecord) -> dict[str, Any]:
     return {}
 
 
+def send_run(app: Any, run: RunRecord) -> None:
+    """Publish a run's task again, with its task id, arguments, retry count and routing."""
+    config = config_for_app(app)
+    if run.args is None:
+        raise ValueError(f"task {run.task_id} ({run.task_name}) has no recorded arguments")
+    payload = decode(run.args, config.serializer, config.serializer,
+                     task_id=run.task_id, step_key=None)
+    app.send_task(run.task_name, args=payload.get("args", []),
+                  kwargs=payload.get("kwargs", {}), task_id=run.task_id,
+                  retries=run.retries, **_route(run))
+
+
 def recover(app: Any = None, *, limit: int = 100) -> list[str]:
-    """Re-send up to ``limit`` lost runs; return their task ids.
+    """Wake or re-send up to ``limit`` runs that need it; return their task ids.
 
     Safe to call from several processes at once, and from a beat task.
     """
@@ -52,19 +67,19 @@ def recover(app: Any = None, *, limit: int = 100) -> list[str]:
     sent: list[str] = []
     for run in store.recoverable_runs(limit):
         if run.args is None:
-            logger.error("task %s (%s) is lost but its arguments were not recorded (they could "
-                         "not be serialized), so it cannot be sent again", run.task_id,
+            logger.error("task %s (%s) needs sending but its arguments were not recorded (they "
+                         "could not be serialized), so it cannot be sent", run.task_id,
                          run.task_name)
             continue
         if not store.mark_recovering(run, grace=config.lease_seconds):
             continue  # another sweeper got it
-        payload = decode(run.args, config.serializer, config.serializer,
-                         task_id=run.task_id, step_key=None)
-        app.send_task(run.task_name, args=payload.get("args", []),
-                      kwargs=payload.get("kwargs", {}), task_id=run.task_id,
-                      retries=run.retries, **_route(run))
-        logger.warning("task %s (%s) had no live owner; sent it again (recovery %d)",
-                       run.task_id, run.task_name, run.recoveries + 1)
+        send_run(app, run)
+        if run.status == RUNNING:
+            logger.warning("task %s (%s) had no live owner; sent it again (recovery %d)",
+                           run.task_id, run.task_name, run.recoveries + 1)
+        else:
+            logger.info("task %s (%s) was %s for %s %r; woke it", run.task_id,
+                        run.task_name, run.status, run.wait_kind, run.waiting_for)
         sent.append(run.task_id)
     return sent
 

@@ -51,6 +51,7 @@ class Tables:
     schema_version: Table
     runs: Table
     steps: Table
+    signals: Table
 
 
 def build_tables(prefix: str) -> Tables:
@@ -78,11 +79,15 @@ def build_tables(prefix: str) -> Tables:
         Column("finished_at", DateTime(timezone=True), nullable=True),
         *_v2_run_columns(),
         *_v3_run_columns(),
+        *_v6_run_columns(),
     )
     steps = _v5_steps(prefix, metadata)
+    signals = _v6_signals(prefix, metadata)
     Index(f"{prefix}runs_status_updated", runs.c.status, runs.c.updated_at)
     Index(f"{prefix}runs_status_lease", runs.c.status, runs.c.lease_expires_at)
-    return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps)
+    Index(f"{prefix}runs_parent", runs.c.parent_id)
+    return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps,
+                  signals=signals)
 
 
 def _v2_run_columns() -> list[Column[object]]:
@@ -126,13 +131,41 @@ def _v5_steps(prefix: str, metadata: MetaData, name: str | None = None) -> Table
         Column("error", Text, nullable=True),
         Column("started_at", DateTime(timezone=True), nullable=False),
         Column("completed_at", DateTime(timezone=True), nullable=True),
-        # Where the step was reached in its run: 1 for the first step entered, and so on,
-        # nested steps included. NULL for steps recorded before version 5.
+        # Where the step was reached among its parent's steps (the top level, or the
+        # steps nested in one step): 1 for the first. NULL for steps from before version 5.
         Column("position", Integer, nullable=True),
         # The last line of defence: one row per step of a run, whatever happens above.
         # Since version 5 it is the primary key, the table's only index (no surrogate id,
         # no sequence): each step row costs one index entry.
         PrimaryKeyConstraint("task_id", "step_key", name=f"{prefix}steps_task_step_key"),
+    )
+
+
+def _v6_run_columns() -> list[Column[object]]:
+    return [
+        # What a sleeping or waiting run waits for: the kind ('sleep', 'signal' or
+        # 'child'), the sleep's step key, the signal's name or the child's task id, and
+        # when it wakes (the sleep's end or the wait's timeout; NULL: no timeout). The
+        # sweep itself goes by lease_expires_at, which may give a broker countdown time.
+        Column("wait_kind", String(16), nullable=True),
+        Column("waiting_for", String(STEP_KEY_LENGTH), nullable=True),
+        Column("wake_at", DateTime(timezone=True), nullable=True),
+        # A child run's parent: whose wait its end wakes.
+        Column("parent_id", String(TASK_ID_LENGTH), nullable=True),
+    ]
+
+
+def _v6_signals(prefix: str, metadata: MetaData) -> Table:
+    return Table(
+        f"{prefix}signals",
+        metadata,
+        Column("task_id", String(TASK_ID_LENGTH), nullable=False),
+        Column("name", String(STEP_KEY_LENGTH), nullable=False),
+        Column("payload", Text, nullable=True),
+        Column("serializer", String(100), nullable=True),
+        Column("sent_at", DateTime(timezone=True), nullable=False),
+        # The first signal of a name is the one kept: later ones conflict and are ignored.
+        PrimaryKeyConstraint("task_id", "name", name=f"{prefix}signals_task_name"),
     )
 
 
@@ -230,6 +263,16 @@ def _v5_step_primary_key(conn: Connection, tables: Tables) -> None:
     conn.execute(text(f"ALTER TABLE {quote(new.name)} RENAME TO {quote(steps)}"))
 
 
+def _v6_waits(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    for column in _v6_run_columns():
+        _add_column(conn, tables.runs.name, column)
+    metadata = MetaData()
+    _v6_signals(prefix, metadata).create(conn)
+    runs = Table(tables.runs.name, metadata, Column("parent_id", String(TASK_ID_LENGTH)))
+    Index(f"{prefix}runs_parent", runs.c.parent_id).create(conn)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -237,6 +280,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
     (3, "runs remember an interrupted owner", _v3_interrupted),
     (4, "no foreign key from steps to runs", _v4_no_step_foreign_key),
     (5, "steps keyed by (task_id, step_key), with their position", _v5_step_primary_key),
+    (6, "sleeps, signals and child runs", _v6_waits),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from ._context import RunContext, current_run, describe
+from ._context import RunContext, Suspended, current_run, describe
 from ._lease import keeper
 from ._rewrite import GUARD_NAME
 from ._store import STEP_COMPLETED, STEP_FAILED, STEP_RUNNING, StepRecord
@@ -38,7 +38,7 @@ _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d4c1e-2b7a-5d3e-9c4f-0a8b7e6d5c4b")
 _EPOCH = datetime.fromtimestamp(0, UTC)
 
 
-def _check_name(name: object, ctx: RunContext | None) -> str:
+def check_name(name: object, ctx: RunContext | None) -> str:
     where = f" in task {ctx.task_id}" if ctx is not None else ""
     if not isinstance(name, str):
         raise InvalidStepName(
@@ -85,8 +85,8 @@ class StepContext:
         attempt: how many times the body has been started, this time included.
         idempotency_key: a UUID string that is the same on every attempt of
             this step of this run. Pass it to payment and booking APIs.
-        position: where the step was reached in its run: 1 for the first step,
-            nested steps counted in the order they are entered.
+        position: where the step was reached among its parent's steps (the
+            run's top-level steps, or the steps nested in one step): 1 for the first.
     """
 
     __slots__ = (
@@ -109,7 +109,7 @@ class StepContext:
 
     def __init__(self, name: str, *, on_in_doubt: str = "rerun") -> None:
         ctx = current_run.get()
-        self.name = _check_name(name, ctx)
+        self.name = check_name(name, ctx)
         if on_in_doubt not in ("rerun", "raise"):
             raise ValueError(f"on_in_doubt must be 'rerun' or 'raise', got {on_in_doubt!r}")
         self._on_in_doubt = on_in_doubt
@@ -122,8 +122,7 @@ class StepContext:
                 step_key=name,
             )
         self._ctx: RunContext = ctx
-        self.key: str = ctx.next_key(name)
-        self.position: int = ctx.reached
+        self.key, self.position = ctx.next_key(name)
         self.result: Any = None
         self.cached = False
         self.in_doubt = False
@@ -293,6 +292,10 @@ class StepContext:
         if not self._running:
             return  # cached: nothing to record
         self._running = False
+        if isinstance(exc, Suspended):
+            # A wait inside this step suspended the run: the step has not ended. The next
+            # attempt enters it again, and its finished children answer from the store.
+            return
         if exc is not None:
             try:
                 self._record(STEP_FAILED, error=_error_text(exc))

@@ -59,14 +59,23 @@ logger = logging.getLogger("celery_duraflow.store")
 
 # Run statuses.
 RUNNING = "running"
+SLEEPING = "sleeping"
+WAITING = "waiting"
 SUCCEEDED = "succeeded"
 FAILED = "failed"
+COMPENSATED = "compensated"
+CANCELLED = "cancelled"
+# A run in one of these has ended for good; nothing runs it again by itself.
+FINISHED = (SUCCEEDED, FAILED, COMPENSATED, CANCELLED)
 RUN_STATUSES = ("running", "sleeping", "waiting", "succeeded", "failed", "compensated", "cancelled")
 
 # Step statuses.
 STEP_RUNNING = "running"
 STEP_COMPLETED = "completed"
 STEP_FAILED = "failed"
+# A wait (sleep, signal, child) that was reached and has not ended; its output holds
+# what it waits for and until when.
+STEP_WAITING = "waiting"
 
 _UNAVAILABLE: tuple[type[Exception], ...] = (
     OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)
@@ -108,6 +117,10 @@ class RunRecord:
     retries: int = 0
     recoveries: int = 0
     interrupted: bool = False
+    wait_kind: str | None = None
+    waiting_for: str | None = None
+    wake_at: datetime | None = None
+    parent_id: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:
@@ -151,7 +164,18 @@ class StepRecord:
         return _from_columns(cls, m, prefix, {"key": "step_key"})
 
 
-_R = TypeVar("_R", RunRecord, StepRecord)
+@dataclass(frozen=True)
+class SignalRecord:
+    """One row of the signals table."""
+
+    task_id: str
+    name: str
+    payload: str | None
+    serializer: str | None
+    sent_at: datetime
+
+
+_R = TypeVar("_R", RunRecord, StepRecord, SignalRecord)
 
 
 def _from_columns(cls: type[_R], m: Any, prefix: str = "",
@@ -538,6 +562,10 @@ class Store:
             "exchange": delivery.exchange,
             "routing_key": delivery.routing_key,
             "retries": delivery.retries,
+            # A run that slept or waited is running again.
+            "wait_kind": None,
+            "waiting_for": None,
+            "wake_at": None,
             # Taking the run from another owner that never let go of it means that
             # owner died (or froze) mid-attempt.
             "interrupted": or_(runs.c.interrupted,
@@ -614,33 +642,157 @@ class Store:
             return {(row[0], row[1]) for row in conn.execute(stmt)}
 
     def recoverable_runs(self, limit: int) -> list[RunRecord]:
-        """Running runs whose lease expired: their owner died or their retry never came."""
+        """Runs that need a delivery and will not get one by themselves.
+
+        Running runs whose lease expired (their owner died, or their retry
+        never came); sleeping and waiting runs whose time is up; and waiting
+        runs whose signal or child arrived without waking them (the sender
+        died between storing the signal and sending the run).
+        """
         runs = self.tables.runs
+        signals = self.tables.signals
+        child = runs.alias("child")
+        now = _now()
         stmt = (
             select(runs)
-            .where(runs.c.status == RUNNING, runs.c.lease_expires_at < _now())
+            .where(or_(
+                and_(runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
+                     runs.c.lease_expires_at < now),
+                and_(runs.c.status == WAITING, runs.c.wait_kind == "signal",
+                     exists().where(signals.c.task_id == runs.c.task_id,
+                                    signals.c.name == runs.c.waiting_for)),
+                and_(runs.c.status == WAITING, runs.c.wait_kind == "child",
+                     exists().where(child.c.task_id == runs.c.waiting_for,
+                                    child.c.status.in_(FINISHED))),
+            ))
             .order_by(runs.c.lease_expires_at)
             .limit(limit)
         )
-        with self._read("looking for lost runs") as conn:
+        with self._read("looking for runs to wake or recover") as conn:
             return [RunRecord.from_row(row) for row in conn.execute(stmt)]
 
     def mark_recovering(self, run: RunRecord, grace: float) -> bool:
-        """Claim the right to re-send a lost run; False if another sweeper got it first."""
+        """Claim the right to send a run found by the sweep; False if another sweeper (or a
+        delivery, or a signal) got to it first."""
+        runs = self.tables.runs
+        now = _now()
+        unchanged = (runs.c.lease_expires_at.is_(None) if run.lease_expires_at is None
+                     else runs.c.lease_expires_at == run.lease_expires_at)
+        lost = run.status == RUNNING
+        stmt = (
+            update(runs)
+            .where(runs.c.task_id == run.task_id, runs.c.status == run.status, unchanged)
+            # No owner, so the re-sent delivery can take the run at once; an expiry, so
+            # that no other sweep sends it again before that delivery had its chance.
+            .values(status=RUNNING, lease_owner=None,
+                    lease_expires_at=now + timedelta(seconds=grace),
+                    recoveries=runs.c.recoveries + (1 if lost else 0), updated_at=now,
+                    interrupted=or_(runs.c.interrupted, runs.c.lease_owner.is_not(None)),
+                    wait_kind=None, waiting_for=None, wake_at=None)
+        )
+        with self._write("marking a run to be sent again", run.task_id) as conn:
+            return bool(conn.execute(stmt).rowcount)
+
+    # -- waits ---------------------------------------------------------------------------
+
+    def suspend(self, task_id: str, owner: str, *, status: str, kind: str, waiting_for: str,
+                wake_at: datetime | None, sweep_at: datetime | None) -> bool:
+        """End this attempt without ending the run: it sleeps or waits, holding no lease.
+
+        The sweep sends the run again at ``sweep_at`` (None: never by time).
+        A signal wait is not suspended if its signal is already stored, nor a
+        child wait if the child already finished: the check is in the same
+        statement, so a signal or child end that lands at the same moment
+        either is seen here or finds the run waiting and wakes it. False means
+        the run was not suspended (that, or this owner lost the lease).
+        """
+        runs = self.tables.runs
+        signals = self.tables.signals
+        child = runs.alias("child")
+        now = _now()
+        condition = [runs.c.task_id == task_id, runs.c.lease_owner == owner]
+        if kind == "signal":
+            condition.append(~exists().where(signals.c.task_id == task_id,
+                                             signals.c.name == waiting_for))
+        elif kind == "child":
+            condition.append(~exists().where(child.c.task_id == waiting_for,
+                                             child.c.status.in_(FINISHED)))
+        stmt = (
+            update(runs)
+            .where(*condition)
+            .values(status=status, wait_kind=kind, waiting_for=waiting_for, wake_at=wake_at,
+                    lease_owner=None, lease_expires_at=sweep_at, updated_at=now,
+                    interrupted=False)
+        )
+        with self._write(f"recording that the run is {status}", task_id) as conn:
+            return bool(conn.execute(stmt).rowcount)
+
+    def wake(self, task_id: str, *, kind: str, waiting_for: str, grace: float) -> RunRecord | None:
+        """Make a run that waits for exactly this runnable again; None if it does not.
+
+        The caller then sends the run. Until the delivery takes it, the run is
+        running with no owner and a short expiry, so if the message is lost
+        the sweep sends it again.
+        """
         runs = self.tables.runs
         now = _now()
         stmt = (
             update(runs)
-            .where(runs.c.task_id == run.task_id, runs.c.status == RUNNING,
-                   runs.c.lease_expires_at == run.lease_expires_at)
-            # No owner, so the re-sent delivery can take the run at once; an expiry, so
-            # that no other sweep sends it again before that delivery had its chance.
-            .values(lease_owner=None, lease_expires_at=now + timedelta(seconds=grace),
-                    recoveries=runs.c.recoveries + 1, updated_at=now,
-                    interrupted=or_(runs.c.interrupted, runs.c.lease_owner.is_not(None)))
+            .where(runs.c.task_id == task_id, runs.c.status == WAITING,
+                   runs.c.wait_kind == kind, runs.c.waiting_for == waiting_for)
+            .values(status=RUNNING, lease_owner=None,
+                    lease_expires_at=now + timedelta(seconds=grace), updated_at=now,
+                    wait_kind=None, waiting_for=None, wake_at=None)
+            .returning(*runs.c)
         )
-        with self._write("marking a lost run for recovery", run.task_id) as conn:
-            return bool(conn.execute(stmt).rowcount)
+        with self._write("waking the run", task_id) as conn:
+            row = conn.execute(stmt).first()
+        return RunRecord.from_row(row) if row is not None else None
+
+    def put_signal(self, task_id: str, name: str, payload: str | None,
+                   serializer: str | None) -> bool:
+        """Store a signal unless one of that name is stored already; True if this one was."""
+        signals = self.tables.signals
+        stmt = (
+            self._insert(signals)
+            .values(task_id=task_id, name=name, payload=payload, serializer=serializer,
+                    sent_at=_now())
+            .on_conflict_do_nothing(index_elements=[signals.c.task_id, signals.c.name])
+            .returning(signals.c.task_id)
+        )
+        with self._write("storing a signal", task_id, name) as conn:
+            return conn.execute(stmt).first() is not None
+
+    def get_signal(self, task_id: str, name: str) -> SignalRecord | None:
+        signals = self.tables.signals
+        stmt = select(signals).where(signals.c.task_id == task_id, signals.c.name == name)
+        with self._read("reading a signal", task_id, name) as conn:
+            row = conn.execute(stmt).first()
+        return _from_columns(SignalRecord, row._mapping) if row is not None else None
+
+    def create_child_run(self, child_id: str, *, task_name: str, parent_id: str,
+                         args: str | None, exchange: str | None,
+                         routing_key: str | None) -> bool:
+        """Record a child run before its message is sent; False if it exists already.
+
+        The row is running, with no owner and an expiry one lease away: if the
+        message never arrives (the parent died before sending it, or the
+        broker lost it), the sweep sends the child from what is stored here.
+        """
+        runs = self.tables.runs
+        now = _now()
+        stmt = (
+            self._insert(runs)
+            .values(task_id=child_id, task_name=task_name, status=RUNNING, attempts=0,
+                    created_at=now, updated_at=now, args=args, exchange=exchange,
+                    routing_key=routing_key, retries=0, recoveries=0, interrupted=False,
+                    parent_id=parent_id,
+                    lease_expires_at=now + timedelta(seconds=self.config.lease_seconds))
+            .on_conflict_do_nothing(index_elements=[runs.c.task_id])
+            .returning(runs.c.task_id)
+        )
+        with self._write("recording a child run", parent_id) as conn:
+            return conn.execute(stmt).first() is not None
 
     def get_run(self, task_id: str) -> RunRecord | None:
         runs = self.tables.runs
@@ -807,22 +959,24 @@ class Store:
 
         An upsert on ``(task_id, step_key)``: it creates the row, or updates a
         failed (or claimed) one, but never a completed one. False means the
-        lease is gone or the step was completed by someone else. A completion
+        lease is gone or the step was completed by someone else. A completion (or a wait)
         commits durably; a failure is written with asynchronous commit, since
         losing it in a database crash only means the step runs again. ``new``
         says the attempt saw no row for the step: a completion is then a plain
         ``INSERT ... ON CONFLICT DO NOTHING``, the cheapest durable write.
         """
         completed = status == STEP_COMPLETED
+        durable = completed or status == STEP_WAITING
         params = {"p_task_id": task_id, "p_owner": owner, "p_step_key": step_key,
                   "p_status": status, "p_output": output, "p_serializer": serializer,
                   "p_error": error, "p_started_at": started_at,
                   "p_completed_at": _now() if completed else None, "p_position": position,
                   # A claimed row already counted this attempt.
                   "p_increment": 0 if claimed else 1}
-        name = ("record_new" if new and not claimed else "record") if completed else (
+        name = ("record_new" if new and not claimed else "record") if durable else (
             "record_relaxed")
-        action = "recording the step output" if completed else "recording the step failure"
+        action = {STEP_COMPLETED: "recording the step output",
+                  STEP_WAITING: "recording the wait"}.get(status, "recording the step failure")
         with self._write(action, task_id, step_key) as conn:
             if self.dialect == "postgresql":
                 sql, defaults = self._compiled_records[name]

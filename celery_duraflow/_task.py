@@ -12,12 +12,13 @@ from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
 from ._config import Config, config_for_app
-from ._context import RunContext, current_run, describe
+from ._context import RunContext, Suspended, current_run, describe
 from ._lease import keeper, new_owner, owner_is_gone
 from ._rewrite import prepare
 from ._serialization import Serializer, decode, encode_arguments, get_serializer
 from ._signals import install_signal_handlers
 from ._store import FAILED, SUCCEEDED, Delivery, RunRecord, StepRecord, Store, store_for
+from ._waits import wake_parent
 from .errors import (
     LeaseLost,
     RunArgumentsMismatch,
@@ -98,10 +99,16 @@ class DurableTask(Task):  # type: ignore[misc]
                 self._come_back_later(exc)
         ctx = RunContext(task_id=task_id, task_name=self.name, owner=owner, store=store,
                          serializer=serializer, serializer_name=config.serializer,
-                         recorded=recorded, interrupted=run.interrupted)
+                         recorded=recorded, interrupted=run.interrupted, task=self,
+                         config=config)
         token = current_run.set(ctx)
         try:
             result = super().__call__(*args, **kwargs)
+        except Suspended as suspended:
+            # The run sleeps or waits; the wait recorded that and released the lease.
+            if suspended.countdown is not None:
+                self._send_later(suspended.countdown)
+            raise Ignore() from None
         except Retry as exc:
             # Celery sends the retry itself. Only if it is lost (a broker that dropped it)
             # does the sweep re-send the run, well after it was due: a retry stuck behind a
@@ -121,7 +128,8 @@ class DurableTask(Task):  # type: ignore[misc]
             logger.warning("task %s: %s", task_id, exc)
             raise Ignore() from exc
         except BaseException as exc:
-            self._record_failure(ctx, exc)
+            if self._record_failure(ctx, exc):
+                wake_parent(self._get_app(), run)
             raise
         finally:
             current_run.reset(token)
@@ -135,10 +143,13 @@ class DurableTask(Task):  # type: ignore[misc]
                 "configure duraflow_serializer.",
                 task_id=task_id,
             )
-            self._record_failure(ctx, refused)
+            if self._record_failure(ctx, refused):
+                wake_parent(self._get_app(), run)
             raise refused from error
-        if not store.finish_run(task_id, owner, SUCCEEDED, result=data,
-                                serializer=config.serializer):
+        if store.finish_run(task_id, owner, SUCCEEDED, result=data,
+                            serializer=config.serializer):
+            wake_parent(self._get_app(), run)
+        else:
             logger.warning("task %s finished, but another attempt owns the run now; its "
                            "result was not recorded", task_id)
         return result
@@ -216,12 +227,23 @@ class DurableTask(Task):  # type: ignore[misc]
             # The lease simply expires and the sweep (or a redelivery) takes over.
             logger.warning("could not release the lease of task %s", task_id, exc_info=True)
 
-    def _record_failure(self, ctx: RunContext, exc: BaseException) -> None:
+    def _record_failure(self, ctx: RunContext, exc: BaseException) -> bool:
+        """Record that the run failed for good; True if it was recorded."""
         try:
-            ctx.store.finish_run(ctx.task_id, ctx.owner, FAILED,
-                                 error=f"{type(exc).__qualname__}: {exc}"[:4000])
+            return ctx.store.finish_run(ctx.task_id, ctx.owner, FAILED,
+                                        error=f"{type(exc).__qualname__}: {exc}"[:4000])
         except StoreUnavailable:
             logger.warning("could not record the failure of task %s", ctx.task_id, exc_info=True)
+            return False
+
+    def _send_later(self, countdown: float) -> None:
+        """Send this run again in ``countdown`` seconds (a short sleep or timeout)."""
+        try:
+            self.signature_from_request(self.request, countdown=countdown).apply_async()
+        except Exception:
+            # The sweep wakes the run a lease after its time instead.
+            logger.warning("task %s: could not send itself for %.1fs from now; the sweep will "
+                           "wake it", self.request.id, countdown, exc_info=True)
 
 
 def _seconds_until(when: Any) -> float:

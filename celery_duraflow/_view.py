@@ -8,7 +8,7 @@ from typing import Any
 
 from ._config import Config, config_for_app
 from ._serialization import decode
-from ._store import STEP_COMPLETED, RunRecord, StepRecord, store_for
+from ._store import STEP_COMPLETED, STEP_WAITING, RunRecord, StepRecord, store_for
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,8 @@ class StepView:
     attempts: int
     started_at: datetime
     completed_at: datetime | None
+    #: The stored output; for a wait that has not ended (status ``waiting``), what it
+    #: waits for and until when.
     result: Any
     error: str | None
     position: int | None = None
@@ -39,6 +41,14 @@ class RunView:
     updated_at: datetime
     finished_at: datetime | None
     steps: tuple[StepView, ...]
+    #: While ``sleeping`` or ``waiting``: what for ("sleep", "signal" or "child"), and
+    #: the sleep's step key, the signal's name or the child's task id.
+    wait_kind: str | None = None
+    waiting_for: str | None = None
+    #: When a sleep ends or a wait times out (None: no timeout).
+    wake_at: datetime | None = None
+    #: The run that started this one with child(), if any.
+    parent_id: str | None = None
 
     def step(self, key: str) -> StepView:
         """The step stored under ``key``; ``KeyError`` if there is none."""
@@ -50,7 +60,7 @@ class RunView:
 
 def _step_view(record: StepRecord, config: Config) -> StepView:
     result = None
-    if record.status == STEP_COMPLETED:
+    if record.status in (STEP_COMPLETED, STEP_WAITING):
         result = decode(record.output, record.serializer, config.serializer,
                         task_id=record.task_id, step_key=record.key)
     return StepView(key=record.key, status=record.status, attempts=record.attempts,
@@ -65,7 +75,9 @@ def _run_view(run: RunRecord, steps: list[StepRecord], config: Config) -> RunVie
                    attempts=run.attempts, result=result, error=run.error,
                    created_at=run.created_at, updated_at=run.updated_at,
                    finished_at=run.finished_at,
-                   steps=tuple(_step_view(s, config) for s in steps))
+                   steps=tuple(_step_view(s, config) for s in steps),
+                   wait_kind=run.wait_kind, waiting_for=run.waiting_for, wake_at=run.wake_at,
+                   parent_id=run.parent_id)
 
 
 def get_run(task_id: str, *, app: Any = None) -> RunView | None:

@@ -7,6 +7,8 @@ library function that can be called from Python too.
 
 from __future__ import annotations
 
+import json
+import sys
 from typing import Any
 
 import click
@@ -14,6 +16,8 @@ from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
 from ._recovery import recover as recover_runs
 from ._recovery import recover_forever
+from ._waits import send_signal
+from .errors import DuraflowError
 
 
 @click.group(name="duraflow")
@@ -21,21 +25,72 @@ def duraflow() -> None:
     """Inspect and steer celery-duraflow runs."""
 
 
-@duraflow.command(cls=CeleryCommand)
-@click.option("--once", is_flag=True, cls=CeleryOption, help_group="Recovery Options",
-              help="Sweep once and exit (for cron); by default sweep forever.")
-@click.option("--interval", type=float, default=10.0, show_default=True, cls=CeleryOption,
-              help_group="Recovery Options", help="Seconds between sweeps.")
-@click.option("--limit", type=int, default=100, show_default=True, cls=CeleryOption,
-              help_group="Recovery Options", help="Most runs re-sent per sweep.")
-@click.pass_context
-@handle_preload_options  # type: ignore[untyped-decorator]
-def recover(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
-    """Re-send runs whose worker died (lease expired while running)."""
+def _sweep_options(fn: Any) -> Any:
+    fn = click.option("--limit", type=int, default=100, show_default=True, cls=CeleryOption,
+                      help_group="Sweep Options", help="Most runs sent per sweep.")(fn)
+    fn = click.option("--interval", type=float, default=10.0, show_default=True,
+                      cls=CeleryOption, help_group="Sweep Options",
+                      help="Seconds between sweeps.")(fn)
+    return click.option("--once", is_flag=True, cls=CeleryOption, help_group="Sweep Options",
+                        help="Sweep once and exit (for cron); by default sweep forever.")(fn)
+
+
+def _sweep(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
     app: Any = ctx.obj.app
     if once:
         sent = recover_runs(app, limit=limit)
-        ctx.obj.echo(f"re-sent {len(sent)} run(s)" + (": " + " ".join(sent) if sent else ""))
+        ctx.obj.echo(f"sent {len(sent)} run(s)" + (": " + " ".join(sent) if sent else ""))
         return
-    ctx.obj.echo(f"sweeping for lost runs every {interval:g}s (Ctrl-C to stop)")
+    ctx.obj.echo(f"waking due runs and re-sending lost ones every {interval:g}s "
+                 "(Ctrl-C to stop)")
     recover_forever(app, interval=interval, limit=limit)
+
+
+@duraflow.command(cls=CeleryCommand)
+@_sweep_options
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def recover(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
+    """Send runs that need it: lost runs (lease expired) and due sleeps and waits."""
+    _sweep(ctx, once, interval, limit)
+
+
+@duraflow.command(cls=CeleryCommand)
+@_sweep_options
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def wake(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
+    """Wake sleeping and waiting runs whose time is up (the same sweep as recover)."""
+    _sweep(ctx, once, interval, limit)
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(1)
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.argument("task_id")
+@click.argument("name")
+@click.argument("payload", required=False)
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def signal(ctx: click.Context, task_id: str, name: str, payload: str | None) -> None:
+    """Send signal NAME to run TASK_ID, with an optional JSON PAYLOAD.
+
+    Exit status 0 when the signal was stored or one of that name already was
+    (the first payload is kept), 1 when the run is unknown or the store fails.
+    """
+    try:
+        value = json.loads(payload) if payload is not None else None
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="PAYLOAD") from None
+    try:
+        stored = send_signal(task_id, name, value, app=ctx.obj.app)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    if stored:
+        ctx.obj.echo(f"signal {name!r} stored for {task_id}")
+    else:
+        ctx.obj.echo(f"signal {name!r} was already stored for {task_id}; this payload "
+                     "was ignored (the first one is kept)")

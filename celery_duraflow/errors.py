@@ -6,10 +6,14 @@ round trip through :mod:`pickle`, so a Celery result backend can hand it back
 to the caller intact::
 
     DuraflowError
+    ├── ChildFailed               a child run failed (or did not finish in time)
+    │   └── ChildTimeout              ... did not finish within the child() timeout
     ├── ConfigurationError        a duraflow_* setting or the database URL is wrong
     ├── InvalidStepName           step() got an empty, non-string or malformed name
     ├── NotInDurableTask          step() was used outside a run of a DurableTask
     ├── RunArgumentsMismatch      a task id was sent again with other arguments
+    ├── RunNotFound               no run with that task id is recorded
+    ├── SignalTimeout             wait_for_signal() reached its timeout first
     ├── StepInDoubt               an interrupted step asks for a human (on_in_doubt="raise")
     ├── StepNotPrepared           `with step(...)` in code that was not prepared
     ├── StepOutputNotSerializable a step output or task result the serializer refuses
@@ -23,12 +27,16 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "ChildFailed",
+    "ChildTimeout",
     "ConfigurationError",
     "DuraflowError",
     "InvalidStepName",
     "LeaseLost",
     "NotInDurableTask",
     "RunArgumentsMismatch",
+    "RunNotFound",
+    "SignalTimeout",
     "StepConflict",
     "StepInDoubt",
     "StepNotPrepared",
@@ -116,3 +124,47 @@ class StoreUnavailable(DuraflowError, ConnectionError):
 
     It is safe to retry: put it in ``autoretry_for``.
     """
+
+
+class RunNotFound(DuraflowError, LookupError):
+    """No run with the given task id is recorded (it never started, or was pruned)."""
+
+
+class SignalTimeout(DuraflowError, TimeoutError):
+    """``wait_for_signal()`` reached its timeout before the signal arrived.
+
+    Raised again on every later attempt that reaches the same wait: the
+    timeout is recorded like any step's outcome.
+    """
+
+
+class ChildFailed(DuraflowError):
+    """A child run started with ``child()`` failed for good.
+
+    ``child_id`` is the child's task id and ``error`` the error its run
+    recorded.
+    """
+
+    def __init__(self, message: str, *, task_id: str | None = None,
+                 step_key: str | None = None, child_id: str | None = None,
+                 error: str | None = None) -> None:
+        super().__init__(message, task_id=task_id, step_key=step_key)
+        self.child_id = child_id
+        self.error = error
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_child, (type(self), self.message, self.task_id, self.step_key,
+                                 self.child_id, self.error))
+
+
+class ChildTimeout(ChildFailed, TimeoutError):
+    """A child run did not finish within the ``timeout`` given to ``child()``.
+
+    The child is not stopped; its parent goes on without its result.
+    """
+
+
+def _rebuild_child(cls: type[ChildFailed], message: str, task_id: str | None,
+                   step_key: str | None, child_id: str | None,
+                   error: str | None) -> ChildFailed:
+    return cls(message, task_id=task_id, step_key=step_key, child_id=child_id, error=error)

@@ -46,7 +46,7 @@ def test_recover_once_resends_a_lost_run(pg_url: str, redis_url: str,
              "--once"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60,
             check=False)
         assert done.returncode == 0, done.stderr
-        assert f"re-sent 1 run(s): {task_id}" in done.stdout
+        assert f"sent 1 run(s): {task_id}" in done.stdout
         run = store.get_run(task_id)
         assert run is not None and run.recoveries == 1 and run.lease_owner is None
 
