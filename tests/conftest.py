@@ -84,7 +84,8 @@ def drop_tables(url: str, prefix: str) -> None:
 
 
 # The tables tests/proj (the project run by real `celery worker` processes) creates.
-PROJECT_TABLES = ("charges", "notify_outages", "chaos_charges", "chaos_mail_failures")
+PROJECT_TABLES = ("charges", "notify_outages", "chaos_charges", "chaos_mail_failures",
+                  "wait_events")
 
 
 def drop_project_tables(url: str, prefix: str) -> None:

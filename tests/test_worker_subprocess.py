@@ -8,12 +8,7 @@ Each test has its own queue, worker node name and table prefix.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,20 +17,24 @@ from pathlib import Path
 import pytest
 from celery import Celery
 from celery.result import AsyncResult
-from kombu import Queue
 from sqlalchemy import create_engine, text
 
 from celery_duraflow import get_run
 from celery_duraflow._store import close_all_stores
 from tests.conftest import drop_project_tables
+from tests.workers import (
+    client_app,
+    log_tail,
+    proj_env,
+    purge_queue,
+    start_worker_process,
+    stop_process,
+)
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.subprocess]
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 TASK_NAME = "proj.book_trip"
-READY_TIMEOUT = 60.0
 RESULT_TIMEOUT = 60.0
-STOP_TIMEOUT = 15.0
 
 
 @dataclass
@@ -50,11 +49,7 @@ class Worker:
     prefix: str
 
     def log_tail(self, lines: int = 60) -> str:
-        try:
-            text_ = self.log_path.read_text(errors="replace")
-        except OSError as exc:
-            return f"(no worker log: {exc})"
-        return "\n".join(text_.splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def submit(self, user_id: str, query: str, *, task_id: str | None = None) -> AsyncResult:
         return self.client.signature(TASK_NAME, args=(user_id, query)).apply_async(
@@ -73,86 +68,23 @@ class Worker:
         return {task_id: count for task_id, count in rows}
 
 
-def _wait_until_ready(process: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(
-                f"celery worker exited with {process.returncode} before it was ready:\n"
-                + log_path.read_text(errors="replace")[-6000:]
-            )
-        if log_path.exists() and " ready." in log_path.read_text(errors="replace"):
-            return
-        time.sleep(0.2)
-    raise AssertionError(
-        f"celery worker not ready after {READY_TIMEOUT:.0f}s:\n"
-        + log_path.read_text(errors="replace")[-6000:]
-    )
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is not None:
-        return
-    # SIGTERM is Celery's warm shutdown: finish the running tasks, then exit.
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(timeout=STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=STOP_TIMEOUT)
-    else:
-        # Reap pool processes that might have outlived their parent.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-
-
-def _purge(client: Celery, queue: str) -> None:
-    with client.connection_for_write() as conn:
-        Queue(queue, routing_key=queue)(conn.default_channel).purge()
-        # The Redis transport keeps the queue's bindings in sets of their own.
-        conn.default_channel.client.delete(f"_kombu.binding.{queue}",
-                                           f"_kombu.binding_permanent.{queue}")
-
-
-
 @pytest.fixture
 def worker(pg_url: str, redis_url: str, table_prefix: str, tmp_path: Path) -> Iterator[Worker]:
     """A prefork ``celery worker`` on tests.proj, with its own queue and tables."""
     queue = f"duraflow-test-{uuid.uuid4().hex[:12]}"
     log_path = tmp_path / "worker.log"
-    env = dict(os.environ)
-    env.update(
-        PROJ_BROKER_URL=redis_url,
-        PROJ_RESULT_BACKEND=redis_url,
-        PROJ_DATABASE_URL=pg_url,
-        PROJ_TABLE_PREFIX=table_prefix,
-        PYTHONUNBUFFERED="1",
-    )
-    command = [
-        sys.executable, "-m", "celery", "-A", "tests.proj", "worker",
-        "--pool", "prefork", "--concurrency", "2", "--loglevel", "INFO",
-        "-Q", queue, "-n", f"{queue}@%h",
-        "--without-heartbeat", "--without-gossip", "--without-mingle",
-    ]
-    client = Celery("proj-client", broker=redis_url, backend=redis_url, set_as_current=False)
-    client.conf.update(
-        duraflow_database_url=pg_url,
-        duraflow_table_prefix=table_prefix,
-        broker_connection_retry_on_startup=True,
-    )
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            command, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
+    client = client_app(pg_url, redis_url, table_prefix)
+    process = None
     try:
-        _wait_until_ready(process, log_path)
+        process = start_worker_process(queue, log_path,
+                                       proj_env(pg_url, redis_url, table_prefix))
         yield Worker(process=process, log_path=log_path, queue=queue, client=client,
                      database_url=pg_url, prefix=table_prefix)
     finally:
-        _stop(process)
+        if process is not None:
+            stop_process(process)
         try:
-            _purge(client, queue)
+            purge_queue(client, queue)
         finally:
             client.close()
             close_all_stores()

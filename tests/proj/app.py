@@ -8,6 +8,7 @@
   share (``<prefix>charges``, ``<prefix>notify_outages``); default ``proj_``.
 * ``PROJ_LEASE_SECONDS``: ``duraflow_lease_seconds`` (default 30).
 * ``PROJ_EVENT_LOG``: a file the chaos task appends its events to (see :mod:`.chaos`).
+* ``PROJ_ETA_THRESHOLD``: ``duraflow_eta_threshold`` (default 60).
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ DATABASE_URL = _required("PROJ_DATABASE_URL")
 TABLE_PREFIX = os.environ.get("PROJ_TABLE_PREFIX") or "proj_"
 
 app = Celery("proj", broker=BROKER_URL, backend=RESULT_BACKEND,
-             include=[f"{__package__}.tasks", f"{__package__}.chaos"])
+             include=[f"{__package__}.tasks", f"{__package__}.chaos", f"{__package__}.waits"])
 app.conf.update(
     duraflow_database_url=DATABASE_URL,
     duraflow_table_prefix=TABLE_PREFIX,
     duraflow_lease_seconds=float(os.environ.get("PROJ_LEASE_SECONDS") or 30),
+    duraflow_eta_threshold=float(os.environ.get("PROJ_ETA_THRESHOLD") or 60),
     # A message is acknowledged only once its attempt has ended, so a worker that
     # dies mid-task leaves it to be delivered again.
     task_acks_late=True,
@@ -52,10 +54,11 @@ app.conf.update(
 @worker_init.connect
 def _create_ledger_tables(**_kwargs: object) -> None:
     # The main worker process creates the ledger once, before the pool forks.
-    from . import chaos, ledger
+    from . import chaos, ledger, waits
 
     ledger.create_tables()
     chaos.create_tables()
+    waits.create_tables()
 
 
 @worker_process_init.connect

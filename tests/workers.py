@@ -1,0 +1,110 @@
+"""Real ``celery worker`` subprocesses on tests.proj, for the tests that need them.
+
+Each worker gets its own queue, node name, log file and (through the
+environment, see :mod:`tests.proj.app`) its own table prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from celery import Celery
+from kombu import Queue
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+READY_TIMEOUT = 60.0
+STOP_TIMEOUT = 15.0
+
+
+def proj_env(pg_url: str, redis_url: str, prefix: str, **extra: str) -> dict[str, str]:
+    """The environment that points tests.proj at this test's services and tables."""
+    env = dict(os.environ)
+    env.update(PROJ_BROKER_URL=redis_url, PROJ_RESULT_BACKEND=redis_url,
+               PROJ_DATABASE_URL=pg_url, PROJ_TABLE_PREFIX=prefix, PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env
+
+
+def client_app(pg_url: str, redis_url: str, prefix: str) -> Celery:
+    """An app that sends to the workers and reads their runs."""
+    client = Celery("proj-client", broker=redis_url, backend=redis_url, set_as_current=False)
+    client.conf.update(duraflow_database_url=pg_url, duraflow_table_prefix=prefix,
+                       broker_connection_retry_on_startup=True)
+    return client
+
+
+def start_worker_process(queue: str, log_path: Path, env: dict[str, str], *,
+                         concurrency: int = 2) -> subprocess.Popen[bytes]:
+    """Start a prefork ``celery -A tests.proj worker`` on ``queue``; return once it is ready."""
+    command = [
+        sys.executable, "-m", "celery", "-A", "tests.proj", "worker",
+        "--pool", "prefork", "--concurrency", str(concurrency), "--loglevel", "INFO",
+        "-Q", queue, "-n", f"{queue}-{time.monotonic_ns()}@%h",
+        "--without-heartbeat", "--without-gossip", "--without-mingle",
+    ]
+    with log_path.open("ab") as log:
+        start = log.tell()
+        process = subprocess.Popen(
+            command, cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    _wait_until_ready(process, log_path, start)
+    return process
+
+
+def _wait_until_ready(process: subprocess.Popen[bytes], log_path: Path, start: int) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+
+    def log_text() -> str:
+        with log_path.open("rb") as log:
+            log.seek(start)
+            return log.read().decode(errors="replace")
+
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(
+                f"celery worker exited with {process.returncode} before it was ready:\n"
+                + log_text()[-6000:])
+        if " ready." in log_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"celery worker not ready after {READY_TIMEOUT:.0f}s:\n"
+                         + log_text()[-6000:])
+
+
+def stop_process(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (Celery's warm shutdown), then SIGKILL to the whole group if needed."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=STOP_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=STOP_TIMEOUT)
+    else:
+        # Reap pool processes that might have outlived their parent.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+def purge_queue(client: Celery, queue: str) -> None:
+    with client.connection_for_write() as conn:
+        Queue(queue, routing_key=queue)(conn.default_channel).purge()
+        # The Redis transport keeps the queue's bindings in sets of their own.
+        conn.default_channel.client.delete(f"_kombu.binding.{queue}",
+                                           f"_kombu.binding_permanent.{queue}")
+
+
+def log_tail(log_path: Path, lines: int = 60) -> str:
+    try:
+        text = log_path.read_text(errors="replace")
+    except OSError as exc:
+        return f"(no worker log: {exc})"
+    return "\n".join(text.splitlines()[-lines:])
