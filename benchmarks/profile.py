@@ -230,18 +230,18 @@ def driver_time(bench: DuraflowBench, runs: int, steps: int) -> str:
 def anatomy(database_url: str, count: int) -> str:
     """What makes a step row dearer than the floor INSERT, one feature at a time.
 
-    Scratch tables shaped like a step store (a runs table, a steps table with a bigserial
-    key and UNIQUE (task_id, step_key)), written through a raw psycopg autocommit
-    connection, one row per statement, each variant taking turns with the others:
+    Scratch tables shaped like the step store, written through a raw psycopg autocommit
+    connection, one row per statement, each variant taking turns with the others, a new
+    task id every 100 rows (as in runs of 100 steps). For each variant: the median time
+    and the WAL the server wrote per row (``pg_current_wal_insert_lsn()`` before and after
+    each batch of 100, read on a second connection):
 
-    * floor: ``INSERT INTO t (a, b) VALUES (...)``;
-    * step row: a plain INSERT of a step-shaped row (two indexes);
-    * + upsert/RETURNING: ``ON CONFLICT (task_id, step_key) DO UPDATE ... RETURNING *``;
-    * + lease check: ``... SELECT ... WHERE EXISTS (run row with this lease owner)``;
-    * + foreign key: the same into a steps table whose task_id references the runs table
-      (PostgreSQL locks the run row FOR KEY SHARE on every insert, which writes it);
-    * fenced INSERT, DO NOTHING, no key: the lease check kept, ``ON CONFLICT DO NOTHING``
-      without ``RETURNING`` and without the foreign key (a leaner step write).
+    * floor: ``INSERT INTO t (a, b) VALUES (...)`` into a table with a bigserial key;
+    * step row, surrogate key: the step store before schema version 5 (a bigserial ``id``,
+      its sequence, and ``UNIQUE (task_id, step_key)``), with the fenced insert below;
+    * step row, plain INSERT: the current table (primary key ``(task_id, step_key)``);
+    * fenced INSERT, DO NOTHING: the statement the store sends for a new step, ``INSERT ...
+      SELECT ... WHERE EXISTS (the run's lease) ON CONFLICT (task_id, step_key) DO NOTHING``.
     """
     import statistics
     import uuid
@@ -251,69 +251,70 @@ def anatomy(database_url: str, count: int) -> str:
     from .common import libpq_url
 
     prefix = new_prefix()
-    runs, plain, fk = f"{prefix}aruns", f"{prefix}asteps", f"{prefix}asteps_fk"
+    runs, old, new = f"{prefix}aruns", f"{prefix}asteps_id", f"{prefix}asteps"
     columns = ("task_id varchar(255) NOT NULL, step_key varchar(1024) NOT NULL, "
                "status varchar(16) NOT NULL, attempts integer NOT NULL, output text, "
                "serializer varchar(100), error text, started_at timestamptz NOT NULL, "
-               "completed_at timestamptz")
+               "completed_at timestamptz, position integer")
     conn = psycopg.connect(libpq_url(database_url), autocommit=True)
+    lsn = psycopg.connect(libpq_url(database_url), autocommit=True)
     try:
         conn.execute(f"CREATE TABLE {prefix}floor (id bigserial PRIMARY KEY, a integer NOT "
                      "NULL, b text NOT NULL)")
         conn.execute(f"CREATE TABLE {runs} (task_id varchar(255) PRIMARY KEY, "
                      "lease_owner varchar(200))")
-        conn.execute(f"CREATE TABLE {plain} (id bigserial PRIMARY KEY, {columns}, "
+        conn.execute(f"CREATE TABLE {old} (id bigserial PRIMARY KEY, {columns}, "
                      "UNIQUE (task_id, step_key))")
-        conn.execute(f"CREATE TABLE {fk} (id bigserial PRIMARY KEY, {columns}, "
-                     f"UNIQUE (task_id, step_key), FOREIGN KEY (task_id) REFERENCES {runs} "
-                     "(task_id) ON DELETE CASCADE)")
-        task_id, owner = f"anatomy-{uuid.uuid4()}", "owner-1"
-        conn.execute(f"INSERT INTO {runs} VALUES (%s, %s)", (task_id, owner))
+        conn.execute(f"CREATE TABLE {new} ({columns}, PRIMARY KEY (task_id, step_key))")
+        owner = "owner-1"
         values = ("%(t)s::varchar, %(k)s::varchar, 'completed', 1, %(o)s::text, 'json', NULL, "
-                  "now(), now()")
-        names = "task_id, step_key, status, attempts, output, serializer, error, started_at, " \
-                "completed_at"
-        upsert = (" ON CONFLICT (task_id, step_key) DO UPDATE SET status = EXCLUDED.status, "
-                  "output = EXCLUDED.output, completed_at = EXCLUDED.completed_at "
-                  "RETURNING *")
+                  "now(), now(), %(n)s::integer")
+        names = ("task_id, step_key, status, attempts, output, serializer, error, started_at, "
+                 "completed_at, position")
         fenced = (f"SELECT {values} WHERE EXISTS (SELECT 1 FROM {runs} "
                   "WHERE task_id = %(t)s::varchar AND lease_owner = %(lease)s)")
+        do_nothing = " ON CONFLICT (task_id, step_key) DO NOTHING"
         variants = {
-            "floor INSERT": (f"INSERT INTO {prefix}floor (a, b) VALUES (%(n)s, 'x')", False),
-            "step row, plain INSERT": (f"INSERT INTO {plain} ({names}) VALUES ({values})",
-                                       False),
-            "+ upsert, RETURNING": (f"INSERT INTO {plain} ({names}) VALUES ({values})"
-                                    + upsert, True),
-            "+ lease check (EXISTS)": (f"INSERT INTO {plain} ({names}) {fenced}" + upsert,
-                                       True),
-            "+ foreign key to runs": (f"INSERT INTO {fk} ({names}) {fenced}" + upsert, True),
-            "fenced INSERT, DO NOTHING, no key": (
-                f"INSERT INTO {plain} ({names}) {fenced} ON CONFLICT (task_id, step_key) "
-                "DO NOTHING", False),
+            "floor INSERT": f"INSERT INTO {prefix}floor (a, b) VALUES (%(n)s, 'x')",
+            "step row, surrogate key + UNIQUE, fenced": (
+                f"INSERT INTO {old} ({names}) {fenced}{do_nothing}"),
+            "step row, plain INSERT": f"INSERT INTO {new} ({names}) VALUES ({values})",
+            "fenced INSERT, DO NOTHING (the store's)": (
+                f"INSERT INTO {new} ({names}) {fenced}{do_nothing}"),
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for i in range(count + 20):
-            for v, (name, (sql, returns)) in enumerate(variants.items()):
-                # A key of each variant's own: every variant inserts a new row.
-                params = {"t": task_id, "k": f"v{v}/step#{i}", "o": str(i), "lease": owner,
-                          "n": i}
-                start = time.perf_counter()
-                cur = conn.execute(sql, params)
-                if returns:
-                    cur.fetchone()
-                if i >= 20:
-                    times[name].append(time.perf_counter() - start)
+        wal: dict[str, list[float]] = {name: [] for name in variants}
+        batches = max(1, count // 100) + 1
+        for batch in range(batches):
+            task_id = f"anatomy-{uuid.uuid4()}"
+            conn.execute(f"INSERT INTO {runs} VALUES (%s, %s)", (task_id, owner))
+            for v, (name, sql) in enumerate(variants.items()):
+                before = lsn.execute("SELECT pg_current_wal_insert_lsn()").fetchone()
+                for i in range(100):
+                    # A key of each variant's own: every variant inserts a new row.
+                    params = {"t": task_id, "k": f"v{v}/step#{i}", "o": str(i),
+                              "lease": owner, "n": i}
+                    start = time.perf_counter()
+                    conn.execute(sql, params)
+                    if batch:  # the first batch warms up (and prepares) every statement
+                        times[name].append(time.perf_counter() - start)
+                row = lsn.execute("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), %s)",
+                                  (before[0] if before else None,)).fetchone()
+                if batch and row:
+                    wal[name].append(float(row[0]) / 100)
         floor = statistics.median(times["floor INSERT"])
-        lines = [f"{count} single-row autocommit writes each, taking turns (median ms, "
-                 "x floor):"]
+        lines = [f"{len(times['floor INSERT'])} single-row autocommit writes each, taking turns "
+                 "(median ms, x floor, WAL bytes per row):"]
         for name, values_ in times.items():
             median = statistics.median(values_)
-            lines.append(f"  {median * 1000:7.3f} ms {median / floor:5.2f}x  {name}")
+            lines.append(f"  {median * 1000:7.3f} ms {median / floor:5.2f}x "
+                         f"{statistics.median(wal[name]):6.0f} B  {name}")
         return "\n".join(lines)
     finally:
-        for table in (fk, plain, runs, f"{prefix}floor"):
+        for table in (new, old, runs, f"{prefix}floor"):
             conn.execute(f"DROP TABLE IF EXISTS {table}")
         conn.close()
+        lsn.close()
 
 
 def _timed(fn: Any) -> float:
