@@ -9,6 +9,7 @@
         ...
 """
 
+from ._patched import patched
 from ._recovery import recover, recovery_beat_entry
 from ._rewrite import durable
 from ._step import StepContext, step
@@ -22,12 +23,15 @@ from .errors import (
     DuraflowError,
     InvalidStepName,
     LeaseLost,
+    NonDeterministicReplay,
     NotInDurableTask,
     RunArgumentsMismatch,
     RunNotFound,
     SignalTimeout,
+    StepCodeChanged,
     StepConflict,
     StepInDoubt,
+    StepInputChanged,
     StepNotPrepared,
     StepOutputNotSerializable,
     StoreUnavailable,
@@ -43,14 +47,17 @@ __all__ = [
     "DuraflowError",
     "InvalidStepName",
     "LeaseLost",
+    "NonDeterministicReplay",
     "NotInDurableTask",
     "RunArgumentsMismatch",
     "RunNotFound",
     "RunView",
     "SignalTimeout",
+    "StepCodeChanged",
     "StepConflict",
     "StepContext",
     "StepInDoubt",
+    "StepInputChanged",
     "StepNotPrepared",
     "StepOutputNotSerializable",
     "StepView",
@@ -59,6 +66,7 @@ __all__ = [
     "child",
     "durable",
     "get_run",
+    "patched",
     "recover",
     "recovery_beat_entry",
     "send_signal",

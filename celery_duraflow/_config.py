@@ -37,6 +37,17 @@ class Config:
     auto_migrate: bool = True
     lease_seconds: float = DEFAULT_LEASE_SECONDS
     eta_threshold: float = DEFAULT_ETA_THRESHOLD
+    # What a replay does when the code no longer matches the record: "fail" or "warn".
+    on_divergence: str = "fail"
+    on_code_change: str = "warn"
+
+
+def _policy(value: Any, key: str, default: str) -> str:
+    if value is None:
+        return default
+    if isinstance(value, str) and value.strip().lower() in ("fail", "warn"):
+        return value.strip().lower()
+    raise ConfigurationError(f"{key} must be 'fail' or 'warn', got {value!r}.")
 
 
 def _setting(conf: Any, key: str) -> Any:
@@ -145,6 +156,10 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
                                 DEFAULT_LEASE_SECONDS, minimum=1.0),
         eta_threshold=_as_float(_setting(conf, "eta_threshold"), "duraflow_eta_threshold",
                                 DEFAULT_ETA_THRESHOLD, minimum=0.0),
+        on_divergence=_policy(_setting(conf, "on_divergence"), "duraflow_on_divergence",
+                              "fail"),
+        on_code_change=_policy(_setting(conf, "on_code_change"), "duraflow_on_code_change",
+                               "warn"),
     )
 
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from .errors import NonDeterministicReplay
+
+logger = logging.getLogger("celery_duraflow.replay")
 
 if TYPE_CHECKING:
     from ._config import Config
@@ -37,6 +42,59 @@ class RunContext:
     stack: list[StepContext] = field(default_factory=list)
     # How many steps this attempt has reached in each parent step ("" at the top).
     reached: dict[str, int] = field(default_factory=dict)
+    # Steps entered by the `with` statement whose body has not started yet: the body's
+    # guard hands them its code fingerprint.
+    entered: list[StepContext] = field(default_factory=list)
+    # A divergence that ends the run: no retry may run it again on the same record.
+    fatal: NonDeterministicReplay | None = None
+    # (parent key, position) -> the key recorded there; built on first use.
+    _positions: dict[tuple[str, int], str] | None = None
+
+    def recorded_at(self, parent: str, position: int) -> str | None:
+        """The key of the step recorded at ``position`` among ``parent``'s steps."""
+        if self._positions is None:
+            self._positions = {
+                (key.rpartition("/")[0], record.position): key
+                for key, record in self.recorded.items() if record.position is not None}
+        return self._positions.get((parent, position))
+
+    def check_order(self, key: str, position: int, kind: str = "step") -> None:
+        """Compare a step the code reached with what the run recorded at that place."""
+        parent = key.rpartition("/")[0]
+        recorded_key = self.recorded_at(parent, position)
+        record = self.recorded.get(key)
+        if recorded_key is not None and recorded_key != key:
+            found = f"the code now reaches {kind} {key!r} there"
+        elif record is not None and record.position is not None and record.position != position:
+            recorded_key = key
+            found = (f"the code now reaches it at position {position} instead of "
+                     f"{record.position}")
+            position = record.position
+        else:
+            return
+        where = f"inside step {parent!r}" if parent else "among the run's top-level steps"
+        self.diverged(NonDeterministicReplay(
+            f"task {self.task_id} ({self.task_name}) does not replay the way it ran: at "
+            f"position {position} {where} the run recorded step {recorded_key!r}, but "
+            f"{found}. The task's code changed while this run was in progress (or the order "
+            "of its steps depends on something outside a step), so the recorded outputs "
+            "cannot be matched to the steps safely.",
+            task_id=self.task_id, step_key=key, position=position,
+            recorded_key=recorded_key, reached_key=key))
+
+    def diverged(self, error: NonDeterministicReplay, policy: str | None = None) -> None:
+        """Raise ``error`` and mark the run as failed for good, or only log it ("warn")."""
+        setting = "duraflow_on_code_change" if policy is not None else "duraflow_on_divergence"
+        if policy is None:
+            policy = self.config.on_divergence if self.config is not None else "fail"
+        if policy == "warn":
+            logger.warning("%s %s is 'warn', so the run goes on.", error, setting)
+            return
+        error.message += (
+            " The run is failed rather than retried. Put code changes that runs in progress "
+            f"must not see behind patched(); set {setting} = 'warn' to go on regardless.")
+        self.fatal = error
+        raise error
 
     def next_key(self, name: str) -> tuple[str, int]:
         """The key of the next occurrence of ``name`` in the current parent step, and its

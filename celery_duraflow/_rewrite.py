@@ -23,10 +23,13 @@ any frame whose code lacks it (fail closed).
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
+import hashlib
 import inspect
 import logging
 import sys
+import textwrap
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,14 +43,62 @@ _FACTORY_NAME = "__duraflow_factory__"
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def guard() -> bool:
-    """False when the innermost entered step was replayed from the store."""
+def guard(fingerprint: str | None = None) -> bool:
+    """False when the innermost entered step was replayed from the store.
+
+    Called at the top of every ``with`` body with the fingerprint of that
+    body's code; the steps entered by that ``with`` statement take it (and a
+    replayed one compares it with the fingerprint it recorded).
+    """
     from ._context import current_run
 
     ctx = current_run.get()
     if ctx is None or not ctx.stack:
         return True
+    if ctx.entered:
+        entered, ctx.entered = ctx.entered, []
+        for step in entered:
+            step.code_seen(fingerprint)
     return ctx.stack[-1]._should_run
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fingerprint_nodes(nodes: list[ast.stmt]) -> str:
+    """A fingerprint of some code: its syntax tree without positions or comments.
+
+    Moving code to other lines, reindenting it or editing comments keeps the
+    fingerprint; changing what it does (or its docstrings) changes it.
+    """
+    module = ast.Module(body=nodes, type_ignores=[])
+    return _digest(ast.dump(module, annotate_fields=False, include_attributes=False))
+
+
+@functools.lru_cache(maxsize=2048)
+def _code_fingerprint(code: types.CodeType) -> str:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        # No source: the bytecode and constants stand in for it.
+        return _digest(code.co_code.hex() + repr(code.co_consts) + repr(code.co_names))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            node.decorator_list = []  # retry options and the like are not the code
+    return fingerprint_nodes(tree.body)
+
+
+def code_fingerprint(fn: Any) -> str | None:
+    """A fingerprint of a function's code, or None for callables without Python code."""
+    target = getattr(fn, "__func__", fn)
+    with contextlib.suppress(ValueError):  # a cycle of __wrapped__
+        target = inspect.unwrap(target)
+    code = getattr(target, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        # A callable object: the code of its class's __call__.
+        code = getattr(inspect.getattr_static(type(target), "__call__", None), "__code__", None)
+    return _code_fingerprint(code) if isinstance(code, types.CodeType) else None
 
 
 class _GuardWithBodies(ast.NodeTransformer):
@@ -55,11 +106,14 @@ class _GuardWithBodies(ast.NodeTransformer):
         self.count = 0
 
     def visit_With(self, node: ast.With) -> ast.With:
+        # The body as written, before the guards of the `with` blocks inside it.
+        fingerprint = ast.Constant(value=fingerprint_nodes(node.body))
         self.generic_visit(node)
-        call = ast.Call(func=ast.Name(id=GUARD_NAME, ctx=ast.Load()), args=[], keywords=[])
+        call = ast.Call(func=ast.Name(id=GUARD_NAME, ctx=ast.Load()), args=[fingerprint],
+                        keywords=[])
         test = ast.If(test=call, body=node.body, orelse=[])
         # The guard belongs to the `with` line, so a skipped body marks none of its lines run.
-        for new in (test, call, call.func):
+        for new in (test, call, call.func, fingerprint):
             ast.copy_location(new, node)
             new.end_lineno, new.end_col_offset = node.lineno, node.col_offset
         node.body = [test]

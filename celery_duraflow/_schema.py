@@ -80,8 +80,11 @@ def build_tables(prefix: str) -> Tables:
         *_v2_run_columns(),
         *_v3_run_columns(),
         *_v6_run_columns(),
+        *_v7_run_columns(),
     )
     steps = _v5_steps(prefix, metadata)
+    for column in _v7_step_columns():
+        steps.append_column(column)
     signals = _v6_signals(prefix, metadata)
     Index(f"{prefix}runs_status_updated", runs.c.status, runs.c.updated_at)
     Index(f"{prefix}runs_status_lease", runs.c.status, runs.c.lease_expires_at)
@@ -167,6 +170,20 @@ def _v6_signals(prefix: str, metadata: MetaData) -> Table:
         # The first signal of a name is the one kept: later ones conflict and are ignored.
         PrimaryKeyConstraint("task_id", "name", name=f"{prefix}signals_task_name"),
     )
+
+
+def _v7_run_columns() -> list[Column[object]]:
+    # The task function's code when the run started (see _rewrite.code_fingerprint).
+    return [Column("code_fingerprint", String(64), nullable=True)]
+
+
+def _v7_step_columns() -> list[Column[object]]:
+    return [
+        # A hash of the step's input= (when given), and of its code: the body of its
+        # `with` block, or the function given to .run(). Replays compare them.
+        Column("input_fingerprint", String(64), nullable=True),
+        Column("code_fingerprint", String(64), nullable=True),
+    ]
 
 
 # Each migration declares the tables as they were at its version, so that it means
@@ -273,6 +290,14 @@ def _v6_waits(conn: Connection, tables: Tables) -> None:
     Index(f"{prefix}runs_parent", runs.c.parent_id).create(conn)
 
 
+def _v7_fingerprints(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    for column in _v7_run_columns():
+        _add_column(conn, f"{prefix}runs", column)
+    for column in _v7_step_columns():
+        _add_column(conn, f"{prefix}steps", column)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -281,6 +306,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
     (4, "no foreign key from steps to runs", _v4_no_step_foreign_key),
     (5, "steps keyed by (task_id, step_key), with their position", _v5_step_primary_key),
     (6, "sleeps, signals and child runs", _v6_waits),
+    (7, "code and input fingerprints", _v7_fingerprints),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

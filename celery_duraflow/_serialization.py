@@ -148,3 +148,20 @@ def encode_arguments(args: Any, kwargs: Any,
     if canonical is None:
         return blob, None
     return blob, hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def fingerprint(value: Any, serializer: Serializer) -> str:
+    """A stable hash of a value: SHA-256 of its canonical JSON (sorted keys).
+
+    Values JSON cannot hold are hashed through the configured serializer; a
+    value neither can write gets the hash of its ``repr``.
+    """
+    try:
+        canonical = str(kombu_json.dumps(value, sort_keys=True,  # type: ignore[no-untyped-call]
+                                         separators=(",", ":")))
+    except Exception:
+        try:
+            canonical = serializer.dumps(value)
+        except Exception:
+            canonical = repr(value)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()

@@ -12,14 +12,16 @@ from typing import Any, ParamSpec, TypeVar
 
 from ._context import RunContext, Suspended, current_run, describe
 from ._lease import keeper
-from ._rewrite import GUARD_NAME
+from ._rewrite import GUARD_NAME, code_fingerprint
 from ._store import STEP_COMPLETED, STEP_FAILED, STEP_RUNNING, StepRecord
 from .errors import (
     InvalidStepName,
     LeaseLost,
     NotInDurableTask,
+    StepCodeChanged,
     StepConflict,
     StepInDoubt,
+    StepInputChanged,
     StepNotPrepared,
     StepOutputNotSerializable,
     StoreUnavailable,
@@ -36,6 +38,8 @@ _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d4c1e-2b7a-5d3e-9c4f-0a8b7e6d5c4b")
 
 
 _EPOCH = datetime.fromtimestamp(0, UTC)
+# step(..., input=) left out: no input fingerprint (None is an input like any other).
+_NO_INPUT: Any = object()
 
 
 def check_name(name: object, ctx: RunContext | None) -> str:
@@ -91,8 +95,10 @@ class StepContext:
 
     __slots__ = (
         "_claimed",
+        "_code_fp",
         "_ctx",
         "_entered",
+        "_input_fp",
         "_new",
         "_on_in_doubt",
         "_running",
@@ -107,7 +113,8 @@ class StepContext:
         "result",
     )
 
-    def __init__(self, name: str, *, on_in_doubt: str = "rerun") -> None:
+    def __init__(self, name: str, *, input: Any = _NO_INPUT,
+                 on_in_doubt: str = "rerun") -> None:
         ctx = current_run.get()
         self.name = check_name(name, ctx)
         if on_in_doubt not in ("rerun", "raise"):
@@ -123,6 +130,13 @@ class StepContext:
             )
         self._ctx: RunContext = ctx
         self.key, self.position = ctx.next_key(name)
+        ctx.check_order(self.key, self.position)
+        self._input_fp: str | None = None
+        if input is not _NO_INPUT:
+            from ._serialization import fingerprint
+
+            self._input_fp = fingerprint(input, ctx.serializer)
+        self._code_fp: str | None = None
         self.result: Any = None
         self.cached = False
         self.in_doubt = False
@@ -162,6 +176,8 @@ class StepContext:
                 step_key=self.key,
             )
         self._begin()
+        # The body's guard tells this step the fingerprint of the body's code.
+        self._ctx.entered.append(self)
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -173,7 +189,10 @@ class StepContext:
 
         Needs no preparation: on a replay ``fn`` is not called at all.
         """
+        self._code_fp = code_fingerprint(fn)
         self._begin()
+        if self.cached:
+            self.code_seen(self._code_fp)
         if not self._should_run:
             self._end(None)
             result: R = self.result
@@ -275,8 +294,35 @@ class StepContext:
             )
         return latest
 
+    def code_seen(self, fingerprint: str | None) -> None:
+        """Learn the fingerprint of this step's code; a replayed step compares it."""
+        self._code_fp = fingerprint
+        ctx = self._ctx
+        record = ctx.recorded.get(self.key)
+        if (not self.cached or record is None or fingerprint is None
+                or record.code_fingerprint is None or record.code_fingerprint == fingerprint):
+            return
+        policy = ctx.config.on_code_change if ctx.config is not None else "warn"
+        ctx.diverged(StepCodeChanged(
+            f"step {self.key!r} of task {ctx.task_id} ({ctx.task_name}) completed under other "
+            f"code than the code that reaches it now (code fingerprint "
+            f"{record.code_fingerprint} when recorded, {fingerprint} now); its stored output "
+            "is what the new code gets.",
+            task_id=ctx.task_id, step_key=self.key, position=self.position,
+            recorded_key=self.key, reached_key=self.key), policy)
+
     def _use_stored(self, record: StepRecord) -> None:
         ctx = self._ctx
+        if (self._input_fp is not None and record.input_fingerprint is not None
+                and record.input_fingerprint != self._input_fp):
+            ctx.diverged(StepInputChanged(
+                f"step {self.key!r} of task {ctx.task_id} ({ctx.task_name}) completed with "
+                "another input than the one it is given now (input fingerprint "
+                f"{record.input_fingerprint[:16]} when recorded, {self._input_fp[:16]} now), "
+                "so its stored output may not fit. The input is computed outside the step "
+                "from something that changed between attempts.",
+                task_id=ctx.task_id, step_key=self.key, position=self.position,
+                recorded_key=self.key, reached_key=self.key))
         self.result = _decode(ctx, record)
         self.cached = True
         self.attempt = record.attempts
@@ -330,7 +376,8 @@ class StepContext:
         if not ctx.store.record_step(
                 ctx.task_id, self.key, ctx.owner, status=status, started_at=self._started_at,
                 output=output, serializer=ctx.serializer_name if output is not None else None,
-                error=error, claimed=self._claimed, new=self._new, position=self.position):
+                error=error, claimed=self._claimed, new=self._new, position=self.position,
+                input_fingerprint=self._input_fp, code_fingerprint=self._code_fp):
             self._lost_record()
         ctx.recorded_any = True
 
@@ -362,8 +409,14 @@ def _decode(ctx: RunContext, record: StepRecord) -> Any:
                   task_id=ctx.task_id, step_key=record.key)
 
 
-def step(name: str, *, on_in_doubt: str = "rerun") -> StepContext:
+def step(name: str, *, input: Any = _NO_INPUT,
+         on_in_doubt: str = "rerun") -> StepContext:
     """Declare a durable step of the running task.
+
+    ``input``, when given, is fingerprinted and stored with the step: a
+    replay that reaches the completed step with another input raises
+    :class:`~celery_duraflow.StepInputChanged` instead of handing back an
+    output computed from the old one (``duraflow_on_divergence``).
 
     ``on_in_doubt`` says what to do when an earlier attempt started this
     step and died before recording its end: ``"rerun"`` (the default) runs
@@ -382,4 +435,4 @@ def step(name: str, *, on_in_doubt: str = "rerun") -> StepContext:
 
         booking = step("book-flight").run(airline.book, flight)
     """
-    return StepContext(name, on_in_doubt=on_in_doubt)
+    return StepContext(name, input=input, on_in_doubt=on_in_doubt)

@@ -121,6 +121,7 @@ class RunRecord:
     waiting_for: str | None = None
     wake_at: datetime | None = None
     parent_id: str | None = None
+    code_fingerprint: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:
@@ -138,6 +139,7 @@ class Delivery:
     exchange: str | None = None
     routing_key: str | None = None
     retries: int = 0
+    code_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,8 @@ class StepRecord:
     started_at: datetime
     completed_at: datetime | None
     position: int | None = None
+    input_fingerprint: str | None = None
+    code_fingerprint: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> StepRecord:
@@ -513,7 +517,8 @@ class Store:
             self._insert(runs)
             .values(task_id=task_id, created_at=now, recoveries=0,
                     **{**values, "attempts": 1, "args": delivery.args,
-                       "args_fingerprint": delivery.args_fingerprint, "interrupted": False})
+                       "args_fingerprint": delivery.args_fingerprint, "interrupted": False,
+                       "code_fingerprint": delivery.code_fingerprint})
         )
         stmt = stmt.on_conflict_do_update(
             index_elements=[runs.c.task_id],
@@ -561,6 +566,10 @@ class Store:
                 literal(delivery.args_fingerprint, runs.c.args_fingerprint.type)),
             "exchange": delivery.exchange,
             "routing_key": delivery.routing_key,
+            # The code the run started under (a child run recorded by its parent has none).
+            "code_fingerprint": func.coalesce(
+                runs.c.code_fingerprint,
+                literal(delivery.code_fingerprint, runs.c.code_fingerprint.type)),
             "retries": delivery.retries,
             # A run that slept or waited is running again.
             "wait_kind": None,
@@ -882,7 +891,8 @@ class Store:
             ),
         }
         ended = ["task_id", "step_key", "status", "attempts", "output", "serializer",
-                 "started_at", "completed_at", "position"]
+                 "started_at", "completed_at", "position", "input_fingerprint",
+                 "code_fingerprint"]
         # A step with no row yet (every step of a first attempt) is one plain insert; the
         # upsert is only needed where a failed or claimed row exists.
         insert_new = from_params(ended, fence).on_conflict_do_nothing(
@@ -904,6 +914,8 @@ class Store:
                     # started_at keeps the first start: steps are listed in that order.
                     "completed_at": excluded.completed_at,
                     "position": excluded.position,
+                    "input_fingerprint": excluded.input_fingerprint,
+                    "code_fingerprint": excluded.code_fingerprint,
                 },
                 # A completed step is final: nothing overwrites it.
                 where=steps.c.status != STEP_COMPLETED,
@@ -954,7 +966,8 @@ class Store:
                     started_at: datetime, output: str | None = None,
                     serializer: str | None = None, error: str | None = None,
                     claimed: bool = False, new: bool = False,
-                    position: int | None = None) -> bool:
+                    position: int | None = None, input_fingerprint: str | None = None,
+                    code_fingerprint: str | None = None) -> bool:
         """Write how a step ended, in one statement, if this owner still holds the run.
 
         An upsert on ``(task_id, step_key)``: it creates the row, or updates a
@@ -971,6 +984,8 @@ class Store:
                   "p_status": status, "p_output": output, "p_serializer": serializer,
                   "p_error": error, "p_started_at": started_at,
                   "p_completed_at": _now() if completed else None, "p_position": position,
+                  "p_input_fingerprint": input_fingerprint,
+                  "p_code_fingerprint": code_fingerprint,
                   # A claimed row already counted this attempt.
                   "p_increment": 0 if claimed else 1}
         name = ("record_new" if new and not claimed else "record") if durable else (

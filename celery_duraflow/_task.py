@@ -14,7 +14,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from ._config import Config, config_for_app
 from ._context import RunContext, Suspended, current_run, describe
 from ._lease import keeper, new_owner, owner_is_gone
-from ._rewrite import prepare
+from ._rewrite import code_fingerprint, prepare
 from ._serialization import Serializer, decode, encode_arguments, get_serializer
 from ._signals import install_signal_handlers
 from ._store import FAILED, SUCCEEDED, Delivery, RunRecord, StepRecord, Store, store_for
@@ -162,7 +162,8 @@ class DurableTask(Task):  # type: ignore[misc]
         return Delivery(task_name=self.name, owner=owner, args=blob,
                         args_fingerprint=fingerprint, exchange=info.get("exchange") or None,
                         routing_key=info.get("routing_key") or None,
-                        retries=int(request.retries or 0))
+                        retries=int(request.retries or 0),
+                        code_fingerprint=code_fingerprint(self.run))
 
     def _not_ours(self, store: Store, config: Config, run: RunRecord,
                   delivery: Delivery) -> RunRecord | None:
@@ -198,6 +199,18 @@ class DurableTask(Task):  # type: ignore[misc]
         logger.info("task %s is being run by %s; this duplicate delivery leaves it alone",
                     task_id, run.lease_owner)
         raise Ignore()
+
+    def retry(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's ``retry``, except for a run whose replay diverged from its record.
+
+        Retrying such a run would only diverge again (and ``autoretry_for``
+        would do it for any exception class it lists), so the divergence is
+        raised instead and the run fails.
+        """
+        ctx = current_run.get()
+        if ctx is not None and ctx.task_id == self.request.id and ctx.fatal is not None:
+            raise ctx.fatal
+        return super().retry(*args, **kwargs)
 
     def _come_back_later(self, exc: StoreUnavailable) -> NoReturn:
         """The store is down before the run could start: send this delivery again later.

@@ -25,6 +25,9 @@ class StepView:
     result: Any
     error: str | None
     position: int | None = None
+    #: Fingerprints of the step's ``input=`` and of its code, as recorded.
+    input_fingerprint: str | None = None
+    code_fingerprint: str | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,8 @@ class RunView:
     wake_at: datetime | None = None
     #: The run that started this one with child(), if any.
     parent_id: str | None = None
+    #: The fingerprint of the task's code when the run started.
+    code_fingerprint: str | None = None
 
     def step(self, key: str) -> StepView:
         """The step stored under ``key``; ``KeyError`` if there is none."""
@@ -65,7 +70,9 @@ def _step_view(record: StepRecord, config: Config) -> StepView:
                         task_id=record.task_id, step_key=record.key)
     return StepView(key=record.key, status=record.status, attempts=record.attempts,
                     started_at=record.started_at, completed_at=record.completed_at,
-                    result=result, error=record.error, position=record.position)
+                    result=result, error=record.error, position=record.position,
+                    input_fingerprint=record.input_fingerprint,
+                    code_fingerprint=record.code_fingerprint)
 
 
 def _run_view(run: RunRecord, steps: list[StepRecord], config: Config) -> RunView:
@@ -77,7 +84,7 @@ def _run_view(run: RunRecord, steps: list[StepRecord], config: Config) -> RunVie
                    finished_at=run.finished_at,
                    steps=tuple(_step_view(s, config) for s in steps),
                    wait_kind=run.wait_kind, waiting_for=run.waiting_for, wake_at=run.wake_at,
-                   parent_id=run.parent_id)
+                   parent_id=run.parent_id, code_fingerprint=run.code_fingerprint)
 
 
 def get_run(task_id: str, *, app: Any = None) -> RunView | None:

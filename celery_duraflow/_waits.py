@@ -77,6 +77,7 @@ class _Wait:
         self.ctx: RunContext = ctx
         self.kind = kind
         self.key, self.position = ctx.next_key(name)
+        ctx.check_order(self.key, self.position, kind)
         self.record: StepRecord | None = ctx.recorded.get(self.key)
         self.now = datetime.now(UTC)
         assert ctx.config is not None

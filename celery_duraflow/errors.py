@@ -10,6 +10,9 @@ to the caller intact::
     │   └── ChildTimeout              ... did not finish within the child() timeout
     ├── ConfigurationError        a duraflow_* setting or the database URL is wrong
     ├── InvalidStepName           step() got an empty, non-string or malformed name
+    ├── NonDeterministicReplay    a replay reached the recorded steps in another order
+    │   ├── StepCodeChanged       ... a completed step's code changed (on_code_change="fail")
+    │   └── StepInputChanged      ... a completed step was given another input
     ├── NotInDurableTask          step() was used outside a run of a DurableTask
     ├── RunArgumentsMismatch      a task id was sent again with other arguments
     ├── RunNotFound               no run with that task id is recorded
@@ -33,12 +36,15 @@ __all__ = [
     "DuraflowError",
     "InvalidStepName",
     "LeaseLost",
+    "NonDeterministicReplay",
     "NotInDurableTask",
     "RunArgumentsMismatch",
     "RunNotFound",
     "SignalTimeout",
+    "StepCodeChanged",
     "StepConflict",
     "StepInDoubt",
+    "StepInputChanged",
     "StepNotPrepared",
     "StepOutputNotSerializable",
     "StoreUnavailable",
@@ -61,7 +67,10 @@ class DuraflowError(Exception):
         self.step_key = step_key
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), self.message, self.task_id, self.step_key))
+        # Extra attributes of subclasses travel as the state pickle restores.
+        extra = {k: v for k, v in self.__dict__.items()
+                 if k not in ("message", "task_id", "step_key")}
+        return (_rebuild, (type(self), self.message, self.task_id, self.step_key), extra)
 
     def __str__(self) -> str:
         return self.message
@@ -152,10 +161,6 @@ class ChildFailed(DuraflowError):
         self.child_id = child_id
         self.error = error
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_child, (type(self), self.message, self.task_id, self.step_key,
-                                 self.child_id, self.error))
-
 
 class ChildTimeout(ChildFailed, TimeoutError):
     """A child run did not finish within the ``timeout`` given to ``child()``.
@@ -164,7 +169,33 @@ class ChildTimeout(ChildFailed, TimeoutError):
     """
 
 
-def _rebuild_child(cls: type[ChildFailed], message: str, task_id: str | None,
-                   step_key: str | None, child_id: str | None,
-                   error: str | None) -> ChildFailed:
-    return cls(message, task_id=task_id, step_key=step_key, child_id=child_id, error=error)
+
+class NonDeterministicReplay(DuraflowError):
+    """A replay reached the recorded steps in another order than the run recorded them.
+
+    ``position`` is the place among its parent's steps, ``recorded_key`` the
+    step recorded there and ``reached_key`` the step the code reached
+    instead. The code changed under a running run (or depends on something
+    outside its steps). The run is failed, not retried, unless
+    ``duraflow_on_divergence = "warn"``.
+    """
+
+    def __init__(self, message: str, *, task_id: str | None = None,
+                 step_key: str | None = None, position: int | None = None,
+                 recorded_key: str | None = None, reached_key: str | None = None) -> None:
+        super().__init__(message, task_id=task_id, step_key=step_key)
+        self.position = position
+        self.recorded_key = recorded_key
+        self.reached_key = reached_key
+
+
+class StepInputChanged(NonDeterministicReplay):
+    """A completed step was reached again with another ``input=`` than it recorded."""
+
+
+class StepCodeChanged(NonDeterministicReplay):
+    """A completed step's code is not the code that recorded it.
+
+    Only raised with ``duraflow_on_code_change = "fail"``; by default a warning
+    is logged and the stored output is used.
+    """
