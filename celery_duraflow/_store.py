@@ -809,6 +809,32 @@ class Store:
             row = conn.execute(select(runs).where(runs.c.task_id == task_id)).first()
         return RunRecord.from_row(row) if row is not None else None
 
+    def patch_status(self, marker: str, task_name: str | None = None,
+                     limit: int = 100) -> tuple[datetime | None, int, list[RunRecord]]:
+        """For a ``patched()`` marker key: when it was first recorded, by how many runs, and
+        the unfinished runs that started before that and have not recorded it (they may
+        still take the old branch)."""
+        runs, steps = self.tables.runs, self.tables.steps
+        escaped = marker.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        matches = or_(steps.c.step_key == marker,
+                      steps.c.step_key.like(f"{escaped}#%", escape="\\"),
+                      steps.c.step_key.like(f"%/{escaped}", escape="\\"),
+                      steps.c.step_key.like(f"%/{escaped}#%", escape="\\"))
+        first_and_count = select(func.min(steps.c.started_at),
+                                 func.count(steps.c.task_id.distinct())).where(matches)
+        with self._read("reading a patch marker") as conn:
+            first, count = conn.execute(first_and_count).one()
+            first = _utc(first)
+            conditions = [runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
+                          ~exists().where(steps.c.task_id == runs.c.task_id, matches)]
+            if first is not None:
+                conditions.append(runs.c.created_at < first)
+            if task_name is not None:
+                conditions.append(runs.c.task_name == task_name)
+            stmt = (select(runs).where(*conditions).order_by(runs.c.created_at).limit(limit))
+            old = [RunRecord.from_row(row) for row in conn.execute(stmt)]
+        return first, int(count or 0), old
+
     # -- steps ---------------------------------------------------------------------------
 
     def _asynchronous_commit(self) -> Any:

@@ -14,8 +14,11 @@ from typing import Any
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 
+from ._config import config_for_app
+from ._patched import MARKER_PREFIX
 from ._recovery import recover as recover_runs
 from ._recovery import recover_forever
+from ._store import store_for
 from ._waits import send_signal
 from .errors import DuraflowError
 
@@ -94,3 +97,39 @@ def signal(ctx: click.Context, task_id: str, name: str, payload: str | None) -> 
     else:
         ctx.obj.echo(f"signal {name!r} was already stored for {task_id}; this payload "
                      "was ignored (the first one is kept)")
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.argument("name")
+@click.option("--task", "task_name", default=None, cls=CeleryOption, help_group="Patch Options",
+              help="Only runs of this task name.")
+@click.option("--limit", type=int, default=100, show_default=True, cls=CeleryOption,
+              help_group="Patch Options", help="Most runs listed.")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def patch(ctx: click.Context, name: str, task_name: str | None, limit: int) -> None:
+    """Show which unfinished runs may still take the old branch of patched(NAME).
+
+    Those are the runs that started before any run recorded the patch and
+    have not recorded it themselves. When none is left, the patch can be
+    retired (keep the new branch, delete the patched() call and the old one).
+    Exit status 0 when none is left, 3 when some are.
+    """
+    try:
+        store = store_for(config_for_app(ctx.obj.app))
+        first, count, old = store.patch_status(MARKER_PREFIX + name, task_name, limit)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    if first is None:
+        ctx.obj.echo(f"patch {name!r}: no run has recorded it yet")
+    else:
+        ctx.obj.echo(f"patch {name!r}: recorded by {count} run(s), first at "
+                     f"{first:%Y-%m-%d %H:%M:%S} UTC")
+    if not old:
+        ctx.obj.echo("no unfinished run started before it without it: the old branch can go")
+        return
+    ctx.obj.echo(f"{len(old)} unfinished run(s) may still take the old branch:")
+    for run in old:
+        ctx.obj.echo(f"  {run.task_id}  {run.task_name}  {run.status}  "
+                     f"started {run.created_at:%Y-%m-%d %H:%M:%S} UTC")
+    sys.exit(3)

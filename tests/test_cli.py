@@ -62,3 +62,46 @@ def test_recover_once_resends_a_lost_run(pg_url: str, redis_url: str,
         store.close()
         close_all_stores()
         drop_tables(pg_url, table_prefix)
+
+
+@pytest.mark.postgres
+@pytest.mark.subprocess
+def test_patch_lists_the_runs_that_may_take_the_old_branch(pg_url: str,
+                                                          table_prefix: str) -> None:
+    """`duraflow patch NAME` names unfinished runs from before the patch; exit 0 once none."""
+    store = Store(load_config({"duraflow_database_url": pg_url,
+                               "duraflow_table_prefix": table_prefix}, environ={}))
+    old, new = f"old-{uuid.uuid4()}", f"new-{uuid.uuid4()}"
+    env = {**os.environ, "PROJ_BROKER_URL": "redis://127.0.0.1:1/0", "PROJ_DATABASE_URL": pg_url,
+           "PROJ_TABLE_PREFIX": table_prefix}
+
+    def patch_command() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "patch",
+             "price-check"], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+            timeout=60, check=False)
+
+    try:
+        owner = "some-host|x|1|abc"
+        store.begin_attempt(old, Delivery(task_name="proj.book_trip", owner=owner))
+        assert store.record_step(old, "search", owner, status="completed", output="1",
+                                 serializer="json", started_at=datetime.now(UTC), new=True,
+                                 position=1)
+        store.begin_attempt(new, Delivery(task_name="proj.book_trip", owner=owner))
+        assert store.record_step(new, "patched:price-check", owner, status="completed",
+                                 output="true", serializer="json",
+                                 started_at=datetime.now(UTC), new=True)
+
+        waiting = patch_command()
+        assert waiting.returncode == 3, waiting.stderr
+        assert "patch 'price-check': recorded by 1 run(s)" in waiting.stdout
+        assert old in waiting.stdout and new not in waiting.stdout
+
+        assert store.finish_run(old, owner, "succeeded")
+        done = patch_command()
+        assert done.returncode == 0, done.stderr
+        assert "the old branch can go" in done.stdout
+    finally:
+        store.close()
+        close_all_stores()
+        drop_tables(pg_url, table_prefix)
