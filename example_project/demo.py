@@ -1,6 +1,6 @@
 """``python -m example_project``: book one trip and show what every attempt did.
 
-Modes, chosen by the environment and two flags:
+Where it runs is chosen by the environment and ``--no-worker``:
 
 * no ``CELERY_BROKER_URL``: the embedded demo. A fresh SQLite file in a
   temporary directory, the in-memory broker and a real Celery worker running
@@ -10,26 +10,42 @@ Modes, chosen by the environment and two flags:
   ``celery -A example_project.app worker`` process started for the occasion
   (prefork, two processes) and stopped at the end;
 * ``--no-worker``: as above, but the worker is already running elsewhere (the
-  ``worker`` service of docker-compose.yml);
-* ``--naive``: the same agent as a plain Celery task without steps, to show
-  the card being charged twice.
+  ``worker`` service of docker-compose.yml).
+
+Before booking, the durable agent waits for a person's approval. Who gives it:
+
+* by default the demo itself: once the run is ``waiting`` it shows the
+  ``celery ... duraflow signal`` command a person would use, pauses a second
+  and sends ``{"approved": true}`` with :func:`~celery_duraflow.send_signal`;
+* ``--decline``: the same, with ``{"approved": false}``: nothing is booked;
+* ``--wait-for-human``: nobody; the demo prints the exact command (with the
+  settings it needs) for you to run in another shell, and waits. The command
+  talks to the broker and the database, so this needs ``CELERY_BROKER_URL``.
+
+``--naive`` runs the same agent as a plain Celery task without steps (and
+without approval), to show the card being charged twice.
 
 The exit code is 0 when the ledger shows the expected number of charges (one
-for the durable agent, two for the naive one), 1 when it does not, 2 when the
-trip could not be run at all.
+for an approved durable trip, none for a declined one, two for the naive
+agent), 1 when it does not, 2 when the trip could not be run at all.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import json
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -37,14 +53,18 @@ from typing import Any
 from celery.contrib.testing.worker import start_worker
 from sqlalchemy.engine import make_url
 
-from celery_duraflow import get_run
+from celery_duraflow import RunView, get_run, send_signal
 
 from .app import app
 from .db import ExampleDB, example_db
-from .planner import TripRequest
+from .planner import APPROVAL, TripRequest, is_approved
 from .tasks import book_trip, book_trip_naive
 
 REQUEST: TripRequest = {"origin": "LHR", "destination": "JFK", "date": "2025-06-01"}
+APPROVE = {"approved": True}
+DECLINE = {"approved": False}
+# How long the demo lets the run sit in "waiting" before it answers for the person.
+AUTO_ANSWER_DELAY = 1.0
 PACKAGE_PARENT = Path(__file__).resolve().parent.parent
 
 
@@ -97,35 +117,143 @@ def _worker_process(scratch: Path) -> Iterator[subprocess.Popen[bytes]]:
                   *tail, sep="\n  ", file=sys.stderr)
 
 
-def _wait(result: Any, worker: subprocess.Popen[bytes] | None, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not result.ready():
-        if worker is not None and worker.poll() is not None:
-            raise DemoError(f"the worker process exited (code {worker.returncode}) "
+@dataclass(frozen=True)
+class Trip:
+    """A trip sent to the workers, and what the demo keeps an eye on while it runs."""
+
+    result: Any  # Celery's AsyncResult
+    trip_id: str
+    worker: subprocess.Popen[bytes] | None  # the worker process this demo started, if any
+    timeout: float
+    deadline: float  # time.monotonic() value after which the demo gives up
+
+    def check(self, not_yet: str) -> None:
+        """Raise DemoError if the worker process died or the time is up; sleep a little."""
+        if self.worker is not None and self.worker.poll() is not None:
+            raise DemoError(f"the worker process exited (code {self.worker.returncode}) "
                             "before the trip finished")
-        if time.monotonic() > deadline:
-            raise DemoError(f"no result after {timeout:.0f}s: is a worker consuming queue "
-                            f"{app.conf.task_default_queue!r}?")
+        if time.monotonic() > self.deadline:
+            raise DemoError(f"{not_yet} after {self.timeout:.0f}s")
         time.sleep(0.05)
+
+    def finish(self, *, human: bool) -> None:
+        """Wait until the task has a result."""
+        if human:
+            not_yet = (f"no answer: run {self.trip_id} is still waiting for approval (it holds "
+                       "no worker; a signal sent later wakes it for any worker on the queue)")
+        else:
+            not_yet = (f"no result: is a worker consuming queue "
+                       f"{app.conf.task_default_queue!r}?")
+        while not self.result.ready():
+            self.check(not_yet)
+
+
+def _cli_environment() -> dict[str, str]:
+    """The settings a `celery ... duraflow signal` command in another shell needs."""
+    env = {"CELERY_BROKER_URL": str(app.conf.broker_url),
+           "DURAFLOW_DATABASE_URL": str(app.conf.duraflow_database_url)}
+    for name in ("DURAFLOW_TABLE_PREFIX", "EXAMPLE_QUEUE"):
+        if os.environ.get(name):
+            env[name] = os.environ[name]
+    if Path.cwd().resolve() != PACKAGE_PARENT:
+        env["PYTHONPATH"] = str(PACKAGE_PARENT)  # celery finds example_project from there
+    return env
+
+
+def _celery_launcher() -> list[str]:
+    """``celery`` if the one on PATH belongs to this Python, else ``python -m celery``."""
+    found = shutil.which("celery")
+    if found and Path(found).parent.absolute() == Path(sys.executable).parent.absolute():
+        return ["celery"]
+    return [sys.executable, "-m", "celery"]
+
+
+def _signal_command(trip_id: str, name: str, payload: dict[str, bool], *,
+                   runnable: bool = False) -> str:
+    """The shell command that sends the signal ``name`` to a trip.
+
+    With ``runnable`` it carries the environment and the Python it needs, so
+    that it can be pasted into another shell as it is; passwords in the URLs
+    are written out too, as that shell needs them.
+    """
+    words = ["-A", "example_project.app", "duraflow", "signal", trip_id, name,
+             json.dumps(payload)]
+    if not runnable:
+        return shlex.join(["celery", *words])
+    assignments = [f"{key}={shlex.quote(value)}" for key, value in _cli_environment().items()]
+    return " ".join([*assignments, shlex.join([*_celery_launcher(), *words])])
+
+
+def _until_waiting(trip: Trip) -> RunView | None:
+    """The run once it waits (for the approval), or None if it finished without waiting."""
+    while not trip.result.ready():
+        run = get_run(trip.trip_id, app=app)
+        if run is not None and run.status == "waiting":
+            return run
+        trip.check("the trip never got to its approval")
+    return None
+
+
+def _handle_approval(trip: Trip, answer: bool | None) -> None:
+    """Answer the approval the agent asks for: ``answer`` after a pause, or leave it to a person.
+
+    The signal's name is read from the run (``waiting_for``) rather than
+    assumed, so this keeps working if the agent names its wait differently.
+    """
+    run = _until_waiting(trip)
+    if run is None or run.waiting_for is None:
+        return  # it ended before asking; the summary says how
+    name = run.waiting_for
+    if answer is None:
+        print(f"waiting for approval: run {trip.trip_id} is waiting for signal {name!r}. "
+              "To approve, run this in another shell:")
+        print(f"  {_signal_command(trip.trip_id, name, APPROVE, runnable=True)}")
+        print(f"  (or with '{json.dumps(DECLINE)}' to decline); waiting up to "
+              f"{trip.timeout:.0f}s for the trip to finish")
+        return
+    payload = APPROVE if answer else DECLINE
+    doing = "approving" if answer else "declining"
+    print(f"waiting for approval: run {trip.trip_id} is waiting for signal {name!r}; "
+          f"{doing} in {AUTO_ANSWER_DELAY:g}s")
+    print(f"  (by hand, against real services: "
+          f"{_signal_command(trip.trip_id, name, payload)})")
+    time.sleep(AUTO_ANSWER_DELAY)  # only so that the waiting run can be seen
+    send_signal(trip.trip_id, name, payload, app=app)
+    print(f"{'approved' if answer else 'declined'}: sent signal {name!r} with "
+          f"{json.dumps(payload)}; the run resumes")
 
 
 def _print_trace(db: ExampleDB, trip_id: str) -> None:
+    print("what each attempt did:")
     for row in db.trace(trip_id):
         print(f"  attempt {row.attempt}  {row.step_key:<15} {row.outcome:<7} {row.detail}")
 
 
-def _print_durable_summary(trip_id: str) -> bool:
-    """Print what celery-duraflow recorded for the run; True if it looks right."""
+def _print_durable_summary(trip_id: str) -> tuple[bool, bool | None]:
+    """Print what celery-duraflow recorded for the run.
+
+    Returns whether that looks right, and the answer recorded at the approval
+    wait (None if the run never got one).
+    """
     run = get_run(trip_id, app=app)
     if run is None:
         print("duraflow: no run recorded for this trip")
-        return False
+        return False, None
     completed = [s for s in run.steps if s.status == "completed"]
-    retried = ", ".join(f"{s.key} x{s.attempts}" for s in run.steps if s.attempts > 1)
+    # A wait's row is written twice (when it starts waiting, when it ends), which its
+    # attempt counter shows as 2; it has no body, so it is left out here.
+    retried = ", ".join(f"{s.key} x{s.attempts}" for s in run.steps
+                        if s.attempts > 1 and s.key.split("#")[0] != APPROVAL)
     print(f"duraflow: run {run.status} after {run.attempts} attempts; "
           f"{len(completed)}/{len(run.steps)} steps completed; "
           f"bodies run more than once: {retried or 'none'}")
-    return run.status == "succeeded" and len(completed) == len(run.steps)
+    approved: bool | None = None
+    with contextlib.suppress(KeyError):
+        wait = run.step(APPROVAL)
+        if wait.status == "completed":
+            approved = is_approved(wait.result.get("payload"))
+    healthy = run.status == "succeeded" and len(completed) == len(run.steps)
+    return healthy, approved
 
 
 def _install_sigterm_handler() -> None:
@@ -137,7 +265,14 @@ def _install_sigterm_handler() -> None:
         signal.signal(signal.SIGTERM, _handler)
 
 
-def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str) -> int:
+def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str,
+             answer: bool | None = True) -> int:
+    """Book one trip and print what happened; return the exit code.
+
+    ``answer`` is what the demo replies when the durable agent asks for
+    approval: True (approve), False (decline), or None to leave it to a
+    person (``--wait-for-human``).
+    """
     in_memory = str(app.conf.broker_url).startswith("memory://")
     with tempfile.TemporaryDirectory(prefix="duraflow-demo-") as tmp, \
             contextlib.ExitStack() as stack:
@@ -151,9 +286,9 @@ def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str) 
 
         task = book_trip_naive if naive else book_trip
         if naive:
-            kind = "naive agent: plain Celery task + autoretry, no steps"
+            kind = "naive agent: plain Celery task + autoretry, no steps, no approval"
         else:
-            kind = "durable agent: DurableTask + step() + autoretry"
+            kind = "durable agent: DurableTask + step() + autoretry + wait_for_signal()"
         if in_memory:
             where = "in-process worker, memory:// broker"
         elif start_own_worker:
@@ -170,30 +305,39 @@ def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str) 
             worker = stack.enter_context(_worker_process(scratch))
 
         result = task.delay(user, REQUEST)
-        trip_id = str(result.id)
-        print(f"trip {trip_id} for {user}: {REQUEST['origin']} -> {REQUEST['destination']} "
-              f"on {REQUEST['date']}")
-        _wait(result, worker, timeout)
+        trip = Trip(result=result, trip_id=str(result.id), worker=worker, timeout=timeout,
+                    deadline=time.monotonic() + timeout)
+        print(f"trip {trip.trip_id} for {user}: {REQUEST['origin']} -> "
+              f"{REQUEST['destination']} on {REQUEST['date']}")
+        if not naive:
+            _handle_approval(trip, answer)
+        trip.finish(human=not naive and answer is None)
 
-        _print_trace(db, trip_id)
+        _print_trace(db, trip.trip_id)
         if result.successful():
             print(f"result: {result.result['answer']}")
         else:
             print(f"result: {result.state} ({result.result!r})")
         healthy = bool(result.successful())
+        approved: bool | None = None
         if not naive:
-            healthy = _print_durable_summary(trip_id) and healthy
+            recorded_ok, approved = _print_durable_summary(trip.trip_id)
+            # A person may answer either way; the demo's own answer must be the one recorded.
+            healthy = healthy and recorded_ok and approved is not None and (
+                answer is None or approved == answer)
 
-        charges = db.charges(trip_id)
-        expected = 2 if naive else 1
+        charges = db.charges(trip.trip_id)
+        expected = 2 if naive else 1 if approved else 0
         noun = "charge" if charges == 1 else "charges"
         ok = charges == expected and healthy
         if not ok:
             verdict = "UNEXPECTED"
         elif naive:
             verdict = "the retry booked and charged again"
-        else:
+        elif approved:
             verdict = "the retry reused the booking"
+        else:
+            verdict = "the booking was declined, so nothing was charged"
         print(f"ledger: {charges} {noun} for this trip (expected {expected}): {verdict}")
         return 0 if ok else 1
 
@@ -201,26 +345,52 @@ def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str) 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m example_project",
-        description="Book a flight with an agent whose e-mail step fails once, and count "
-                    "how many times the card was charged.")
+        description="Book a flight with an agent that asks for approval before it books "
+                    "and whose e-mail step fails once, and count how many times the card "
+                    "was charged.")
     parser.add_argument("--naive", action="store_true",
                         help="run the agent as a plain Celery task without durable steps "
-                             "(the card is charged twice)")
+                             "or approval (the card is charged twice)")
+    answers = parser.add_mutually_exclusive_group()
+    answers.add_argument("--decline", action="store_true",
+                         help="answer the approval with no instead of yes (nothing is "
+                              "booked or charged)")
+    answers.add_argument("--wait-for-human", action="store_true",
+                         help="do not answer the approval: print the `celery ... duraflow "
+                              "signal` command that does, and wait for someone to run it "
+                              "(needs CELERY_BROKER_URL)")
     parser.add_argument("--no-worker", action="store_true",
                         help="do not start a worker: one is already consuming from "
                              "CELERY_BROKER_URL (e.g. the compose `worker` service)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds to wait for the trip to finish (default: 60)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds to wait for the trip to finish (default: 60, or 600 "
+                             "with --wait-for-human)")
     parser.add_argument("--user", default="alice", help="who is travelling (default: alice)")
     args = parser.parse_args(argv)
 
-    if args.no_worker and str(app.conf.broker_url).startswith("memory://"):
+    in_memory = str(app.conf.broker_url).startswith("memory://")
+    if args.no_worker and in_memory:
         parser.error("--no-worker needs a broker a separate worker can reach: set "
                      "CELERY_BROKER_URL (e.g. redis://localhost:6379/0)")
+    if args.wait_for_human and in_memory:
+        parser.error("--wait-for-human needs a broker the `celery` command in another shell "
+                     "can reach: set CELERY_BROKER_URL (e.g. redis://localhost:6379/0) and "
+                     "DURAFLOW_DATABASE_URL")
+    if args.naive and (args.decline or args.wait_for_human):
+        parser.error("the naive agent does not ask for approval: --decline and "
+                     "--wait-for-human apply to the durable one")
+    timeout = args.timeout if args.timeout is not None else (
+        600.0 if args.wait_for_human else 60.0)
+    answer = None if args.wait_for_human else not args.decline
+
+    # Whoever reads this output from a pipe (a test, `tee`) needs each line as it comes:
+    # the approval command is printed long before the demo ends.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
     _install_sigterm_handler()
     try:
         return run_demo(naive=args.naive, start_own_worker=not args.no_worker,
-                        timeout=args.timeout, user=args.user)
+                        timeout=timeout, user=args.user, answer=answer)
     except DemoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

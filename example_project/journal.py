@@ -6,17 +6,32 @@ the library reported for that step in this attempt: ``cached`` when
 ``ran`` when the body ran and finished, ``failed`` when it raised. The trace is
 deliberately not a step itself: it is a log of attempts, so every attempt adds
 its own lines.
+
+A wait for a signal is not a ``with step()`` block, so it has its own entry,
+``journal.wait(name, asking)``: a ``waiting`` line the first time the run
+reaches it, then ``ran`` in the attempt that received the signal and
+``cached`` in the attempts that replayed it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from celery_duraflow import get_run
+
 from .db import ExampleDB, TraceRow
-from .planner import BOOK_FLIGHT, DONE, NOTIFY_USER, PICK_BEST, SEARCH_FLIGHTS
+from .planner import (
+    APPROVAL,
+    BOOK_FLIGHT,
+    DONE,
+    NOTIFY_USER,
+    PICK_BEST,
+    SEARCH_FLIGHTS,
+    is_approved,
+)
 from .services import money
 
 
@@ -40,6 +55,14 @@ class PlainCall:
     key: str
     result: Any = None
     cached: bool = False
+
+
+@dataclass
+class WaitEntry:
+    """A wait for a signal as the journal sees it; the task sets ``result`` to the payload."""
+
+    key: str
+    result: Any = None
 
 
 @dataclass
@@ -67,18 +90,42 @@ def summarize(key: str, result: Any) -> str:
         return f"booking {result['booking_ref']}, {money(result['amount_cents'])}"
     if name == NOTIFY_USER:
         return f"confirmation e-mailed to {result['to']}"
+    if name == APPROVAL:
+        return "approved" if is_approved(result) else "declined"
     if name == DONE:
         return str(result)
     return repr(result)[:60]
 
 
 class Journal:
-    """Writes the trace lines of one attempt of one trip."""
+    """Writes the trace lines of one attempt of one trip.
 
-    def __init__(self, db: ExampleDB, trip_id: str, attempt: int) -> None:
+    ``recorded`` maps the key of each step the store held when this attempt
+    began to its status (``completed``, ``waiting``, ...): that is how a wait,
+    which offers no ``cached`` flag, knows whether it is being replayed.
+    """
+
+    def __init__(self, db: ExampleDB, trip_id: str, attempt: int,
+                 recorded: Mapping[str, str] | None = None) -> None:
         self.db = db
         self.trip_id = trip_id
         self.attempt = attempt
+        self.recorded = dict(recorded or {})
+        # Numbers the waits the way the library numbers their keys: approval, approval#2, ...
+        self._waits = CallCounter()
+
+    @classmethod
+    def for_durable_run(cls, db: ExampleDB, trip_id: str, app: Any) -> Journal:
+        """The journal of the durable attempt running now, numbered by the run's own counter.
+
+        That counter counts every delivery that ran the task body, the one a
+        signal woke included; Celery's retry counter only counts retries.
+        """
+        run = get_run(trip_id, app=app)
+        if run is None:  # only outside a DurableTask attempt, which has begun by now
+            raise RuntimeError(f"trip {trip_id} has no durable run recorded")
+        return cls(db, trip_id, attempt=run.attempts,
+                   recorded={s.key: s.status for s in run.steps})
 
     @contextmanager
     def record(self, call: StepLike) -> Iterator[None]:
@@ -90,6 +137,28 @@ class Journal:
             raise
         outcome = "cached" if call.cached else "ran"
         self._write(call.key, outcome, summarize(call.key, call.result))
+
+    @contextmanager
+    def wait(self, name: str, asking: str) -> Iterator[WaitEntry]:
+        """Record a wait for the signal ``name``; ``asking`` says what a person is asked.
+
+        The ``waiting`` line is written before the wait, and only when the run
+        reaches it for the first time. If the wait suspends the run, the library
+        ends the attempt with an exception that is not an ``Exception`` (so that
+        no ``except Exception`` can swallow it); it passes through untouched and
+        the line that ends the wait is written by a later attempt.
+        """
+        entry = WaitEntry(self._waits.next(name).key)
+        before = self.recorded.get(entry.key)
+        if before is None:
+            self._write(entry.key, "waiting", asking)
+        try:
+            yield entry
+        except Exception as exc:  # e.g. SignalTimeout, for a wait with a timeout
+            self._write(entry.key, "failed", f"{type(exc).__name__}: {exc}")
+            raise
+        outcome = "cached" if before == "completed" else "ran"
+        self._write(entry.key, outcome, summarize(entry.key, entry.result))
 
     def _write(self, key: str, outcome: str, detail: str) -> None:
         self.db.add_trace(self.trip_id, TraceRow(self.attempt, key, outcome, detail))

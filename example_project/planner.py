@@ -23,6 +23,11 @@ DONE = "done"
 
 TOOL_NAMES = (SEARCH_FLIGHTS, PICK_BEST, BOOK_FLIGHT, NOTIFY_USER)
 
+# Before every book_flight the agent waits for a person's answer: the signal of this
+# name, with the payload {"approved": true} or {"approved": false}. It is also the
+# step key of that wait, so it follows the same rules as the tool names.
+APPROVAL = "approval"
+
 # The tools described the way model APIs with tool use expect them (a name, a
 # description and a JSON schema of the arguments). The scripted planner does
 # not need this; a model-backed planner would send it along with every request.
@@ -105,6 +110,15 @@ class Planner(Protocol):
         the planner again.
         """
         ...
+
+
+def is_approved(payload: Any) -> bool:
+    """Whether the payload of an approval signal says yes.
+
+    Only ``{"approved": true}`` does: anything else (``"yes"``, a typo, a
+    missing key) counts as no, because a wrong yes costs a charge on the card.
+    """
+    return isinstance(payload, dict) and payload.get("approved") is True
 
 
 def _action(tool: str, args: dict[str, Any], reason: str) -> Action:

@@ -7,8 +7,11 @@ automatically when the mailer fails (it always fails the first time).
 * :func:`book_trip` is a :class:`~celery_duraflow.DurableTask`: the planner's
   decisions and the tool calls are steps, so the retry replays them from the
   database and only the failed e-mail runs again. The card is charged once.
+  Before booking it waits for a person's approval (the ``approval`` signal),
+  holding no worker meanwhile; a "no" ends the trip without a booking.
 * :func:`book_trip_naive` has no steps: the retry starts the loop over, the
-  airline sees a second booking request, and the card is charged twice.
+  airline sees a second booking request, and the card is charged twice. It
+  books without asking: it is only there to show that double charge.
 """
 
 from __future__ import annotations
@@ -17,13 +20,23 @@ from typing import Any
 
 from celery import Task
 
-from celery_duraflow import DurableTask, StoreUnavailable, step
+from celery_duraflow import DurableTask, StoreUnavailable, step, wait_for_signal
 
 from .app import app
 from .db import example_db
 from .journal import CallCounter, Journal
-from .planner import DONE, TOOL_NAMES, Action, Observation, TripRequest, make_planner
-from .services import MailerDown, Toolbox
+from .planner import (
+    APPROVAL,
+    BOOK_FLIGHT,
+    DONE,
+    TOOL_NAMES,
+    Action,
+    Observation,
+    TripRequest,
+    is_approved,
+    make_planner,
+)
+from .services import MailerDown, Toolbox, money
 
 # A planner that never says "done" must not loop forever.
 MAX_TURNS = 10
@@ -58,9 +71,7 @@ def book_trip(self: Task, user_id: str, request: TripRequest) -> dict[str, Any]:
     db = example_db(self.app)
     db.create_tables()
     tools = Toolbox.for_db(db)
-    # Celery's retry counter numbers the attempts for the trace. (A redelivery after a
-    # worker crash is not a retry, so it would show up under the same number.)
-    journal = Journal(db, trip_id, attempt=self.request.retries + 1)
+    journal = Journal.for_durable_run(db, trip_id, self.app)
     planner = make_planner(request)
     history: list[Observation] = []
 
@@ -72,6 +83,24 @@ def book_trip(self: Task, user_id: str, request: TripRequest) -> dict[str, Any]:
         action: Action = s.result
         if action["tool"] == DONE:
             return {"trip_id": trip_id, **action["args"]}
+
+        if action["tool"] == BOOK_FLIGHT:
+            # A person approves the charge first. The first time the run gets here the
+            # attempt ends and the run is "waiting", holding no worker, until someone
+            # calls send_signal(trip_id, "approval", {"approved": true}); the run then
+            # comes back through the broker, the steps above are answered from the
+            # store, and wait_for_signal returns that payload (on every later attempt
+            # too). The wait is reached the same way each time because the decisions
+            # that lead here are steps, so its key ("approval") never changes.
+            flight = action["args"]["flight"]
+            asking = (f"asked for approval to book {flight['flight_id']}, "
+                      f"{money(flight['price_cents'])}")
+            with journal.wait(APPROVAL, asking) as w:
+                w.result = wait_for_signal(APPROVAL)
+            if not is_approved(w.result):
+                return {"trip_id": trip_id, "booking": None,
+                        "answer": f"Not booked: the booking of {flight['flight_id']} "
+                                  "was declined, and the card was not charged."}
 
         # The tool call is a step named after the tool. Its idempotency key is the
         # same on every attempt, so even a booking whose result was never recorded

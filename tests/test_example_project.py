@@ -2,16 +2,20 @@
 
 The demo is started as ``python -m example_project`` in a subprocess, from an
 empty directory and with an environment that holds little more than PATH, and
-the tests read what it prints and, for the real-services mode, what it left in
-PostgreSQL.
+the tests read what it prints and what it left in the database (a SQLite file
+the test chose, or PostgreSQL in the real-services mode). The approval the
+agent waits for is given by the demo itself, or, with ``--wait-for-human``, by
+the test running the real ``celery ... duraflow signal`` command.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +24,11 @@ import pytest
 from celery import Celery
 from sqlalchemy import create_engine, func, select
 
-from celery_duraflow import get_run
+from celery_duraflow import RunView, get_run
 from celery_duraflow._store import close_all_stores
 from example_project.db import ExampleDB, build_tables
 from example_project.planner import (
+    APPROVAL,
     BOOK_FLIGHT,
     DONE,
     NOTIFY_USER,
@@ -31,14 +36,20 @@ from example_project.planner import (
     SEARCH_FLIGHTS,
     Observation,
     ScriptedPlanner,
+    is_approved,
 )
 from example_project.services import FakeAirline, Flight
 from tests.conftest import drop_tables
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TIMEOUT = 120.0
-TRACE_LINE = re.compile(r"^\s+attempt (\d+)\s+(\S+)\s+(ran|cached|failed)\b", re.MULTILINE)
+TRACE_LINE = re.compile(r"^\s+attempt (\d+)\s+(\S+)\s+(ran|cached|failed|waiting)\b",
+                        re.MULTILINE)
 TRIP_LINE = re.compile(r"^trip (\S+) for ", re.MULTILINE)
+APPROVED = {"approved": True}
+# Every step of an approved trip, in the order the run first reached them.
+APPROVED_STEP_KEYS = ["plan", SEARCH_FLIGHTS, "plan#2", PICK_BEST, "plan#3", APPROVAL,
+                      BOOK_FLIGHT, "plan#4", NOTIFY_USER, "plan#5"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -68,6 +79,41 @@ def _run_demo(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.Complete
     return subprocess.CompletedProcess(command, proc.returncode, out, err)
 
 
+def _trip_id(stdout: str) -> str:
+    match = TRIP_LINE.search(stdout)
+    assert match is not None, stdout
+    return match.group(1)
+
+
+def _ledger_charges(url: str, example_prefix: str, trip_id: str) -> int:
+    """The charges for a trip, counted in the database itself (not from the demo's output)."""
+    ledger = build_tables(example_prefix).ledger
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(select(func.count()).select_from(ledger)
+                                    .where(ledger.c.trip_id == trip_id)).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def _recorded_run(url: str, trip_id: str, table_prefix: str = "duraflow_") -> RunView | None:
+    """What celery-duraflow recorded for a trip, read through a Celery app of our own."""
+    app = Celery("example-check", set_as_current=False)
+    app.conf.update(duraflow_database_url=url, duraflow_table_prefix=table_prefix)
+    try:
+        return get_run(trip_id, app=app)
+    finally:
+        close_all_stores()
+
+
+def _approval_payload(run: RunView) -> object:
+    """The payload the run's approval wait received."""
+    wait = run.step(APPROVAL)
+    assert wait.status == "completed", wait
+    return wait.result["payload"]
+
+
 def _trace(stdout: str) -> list[tuple[int, str, str]]:
     """The (attempt, step key, outcome) lines the demo printed."""
     return [(int(a), key, outcome) for a, key, outcome in TRACE_LINE.findall(stdout)]
@@ -81,13 +127,32 @@ def _explain(result: subprocess.CompletedProcess[str]) -> str:
     return f"exit code {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
 
 
+def _check_replays(trace: list[tuple[int, str, str]]) -> None:
+    """Every attempt replays, in order, exactly what the attempts before it finished."""
+    for attempt in range(2, max(a for a, _, _ in trace) + 1):
+        finished = [key for a, key, outcome in trace
+                    if a == attempt - 1 and outcome in ("ran", "cached")]
+        cached = [key for a, key, outcome in trace if a == attempt and outcome == "cached"]
+        assert cached == finished, (attempt, trace)
+
+
 def _check_durable_trace(trace: list[tuple[int, str, str]]) -> None:
-    assert _outcomes(trace, BOOK_FLIGHT) == [(1, "ran"), (2, "cached")]
-    assert _outcomes(trace, NOTIFY_USER) == [(1, "failed"), (2, "ran")]
-    first = [key for attempt, key, outcome in trace if attempt == 1 and outcome == "ran"]
-    cached = [key for attempt, key, outcome in trace if attempt == 2 and outcome == "cached"]
-    assert cached == first  # everything that finished in attempt 1 was replayed, in order
-    assert max(attempt for attempt, _, _ in trace) == 2
+    """Attempt 1 waits for approval, 2 books and fails to e-mail, 3 e-mails."""
+    assert _outcomes(trace, APPROVAL) == [(1, "waiting"), (2, "ran"), (3, "cached")]
+    assert _outcomes(trace, BOOK_FLIGHT) == [(2, "ran"), (3, "cached")]
+    assert _outcomes(trace, NOTIFY_USER) == [(2, "failed"), (3, "ran")]
+    _check_replays(trace)
+    assert max(attempt for attempt, _, _ in trace) == 3
+
+
+def _check_approved_run(run: RunView | None) -> None:
+    """The store's side of an approved trip: done, every step once, the approval kept."""
+    assert run is not None and run.status == "succeeded"
+    assert [s.key for s in run.steps] == APPROVED_STEP_KEYS
+    assert all(s.status == "completed" for s in run.steps)
+    assert _approval_payload(run) == APPROVED
+    assert run.step(BOOK_FLIGHT).attempts == 1
+    assert run.step(NOTIFY_USER).attempts == 2
 
 
 def _check_naive_trace(trace: list[tuple[int, str, str]]) -> None:
@@ -100,14 +165,56 @@ def _check_naive_trace(trace: list[tuple[int, str, str]]) -> None:
 
 
 def test_embedded_demo_charges_once_and_replays_cached_steps(tmp_path: Path) -> None:
-    """`python -m example_project` with no settings: one charge, attempt 2 replays from SQLite."""
+    """`python -m example_project` with no settings: approved, one charge, replays from SQLite."""
     result = _run_demo(cwd=tmp_path, env=_env())
     assert result.returncode == 0, _explain(result)
+    trip_id = _trip_id(result.stdout)
+    assert (f"waiting for approval: run {trip_id} is waiting for signal 'approval'; "
+            "approving in 1s") in result.stdout, _explain(result)
+    assert (f"celery -A example_project.app duraflow signal {trip_id} approval "
+            "'{\"approved\": true}'") in result.stdout
+    assert "approved: sent signal 'approval'" in result.stdout
     assert "ledger: 1 charge for this trip (expected 1)" in result.stdout, _explain(result)
     assert "in-process worker, memory:// broker" in result.stdout
-    assert "duraflow: run succeeded after 2 attempts" in result.stdout
+    assert "duraflow: run succeeded after 3 attempts" in result.stdout
     _check_durable_trace(_trace(result.stdout))
     assert list(tmp_path.iterdir()) == []  # its SQLite file lived in a temporary directory
+
+
+def test_embedded_demo_auto_approval_is_recorded_in_the_store(tmp_path: Path) -> None:
+    """The embedded demo on a SQLite file of ours: the store and the ledger agree with it."""
+    url = f"sqlite:///{tmp_path / 'demo.sqlite3'}"
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    result = _run_demo(cwd=workdir, env=_env(DURAFLOW_DATABASE_URL=url))
+    assert result.returncode == 0, _explain(result)
+    trip_id = _trip_id(result.stdout)
+    assert f"run {trip_id} is waiting for signal 'approval'" in result.stdout
+    assert _ledger_charges(url, "example_", trip_id) == 1
+    _check_approved_run(_recorded_run(url, trip_id))
+
+
+def test_embedded_demo_decline_books_nothing(tmp_path: Path) -> None:
+    """`--decline`: the agent stops at the approval, books nothing, and the run succeeds."""
+    url = f"sqlite:///{tmp_path / 'demo.sqlite3'}"
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    result = _run_demo("--decline", cwd=workdir, env=_env(DURAFLOW_DATABASE_URL=url))
+    assert result.returncode == 0, _explain(result)
+    assert "declined: sent signal 'approval'" in result.stdout, _explain(result)
+    assert "ledger: 0 charges for this trip (expected 0)" in result.stdout, _explain(result)
+    trace = _trace(result.stdout)
+    assert _outcomes(trace, APPROVAL) == [(1, "waiting"), (2, "ran")]
+    assert _outcomes(trace, BOOK_FLIGHT) == [] and _outcomes(trace, NOTIFY_USER) == []
+    _check_replays(trace)
+
+    trip_id = _trip_id(result.stdout)
+    assert _ledger_charges(url, "example_", trip_id) == 0
+    run = _recorded_run(url, trip_id)
+    assert run is not None and run.status == "succeeded"
+    assert not is_approved(_approval_payload(run))
+    assert run.result["booking"] is None and "declined" in run.result["answer"]
+    assert [s.key for s in run.steps] == APPROVED_STEP_KEYS[:6]  # up to the approval
 
 
 def test_naive_demo_charges_the_card_twice(tmp_path: Path) -> None:
@@ -118,11 +225,18 @@ def test_naive_demo_charges_the_card_twice(tmp_path: Path) -> None:
     _check_naive_trace(_trace(result.stdout))
 
 
-def test_no_worker_without_a_shared_broker_is_refused(tmp_path: Path) -> None:
-    """`--no-worker` with the in-memory broker exits with a usage error instead of hanging."""
-    result = _run_demo("--no-worker", cwd=tmp_path, env=_env())
+@pytest.mark.parametrize(("args", "complaint"), [
+    (["--no-worker"], "CELERY_BROKER_URL"),
+    (["--wait-for-human"], "CELERY_BROKER_URL"),
+    (["--naive", "--decline"], "naive agent does not ask for approval"),
+    (["--decline", "--wait-for-human"], "not allowed with argument"),
+], ids=["no-worker", "wait-for-human", "naive-decline", "decline-and-wait"])
+def test_flags_that_cannot_work_are_refused(tmp_path: Path, args: list[str],
+                                            complaint: str) -> None:
+    """With the in-memory broker no other process can reach the run: a usage error, no hang."""
+    result = _run_demo(*args, cwd=tmp_path, env=_env())
     assert result.returncode == 2, _explain(result)
-    assert "CELERY_BROKER_URL" in result.stderr
+    assert complaint in result.stderr, _explain(result)
 
 
 # -- PostgreSQL + Redis + a real `celery worker` process ------------------------------------
@@ -172,30 +286,71 @@ def test_demo_against_postgres_redis_and_a_worker_process(
         _check_durable_trace(trace)
 
     # Check the database directly, not only what the demo printed.
-    match = TRIP_LINE.search(result.stdout)
-    assert match is not None, _explain(result)
-    trip_id = match.group(1)
+    trip_id = _trip_id(result.stdout)
     url = services_env["DURAFLOW_DATABASE_URL"]
-    ledger = build_tables(services_env["EXAMPLE_TABLE_PREFIX"]).ledger
-    engine = create_engine(url)
-    try:
-        with engine.connect() as conn:
-            charges = conn.execute(select(func.count()).select_from(ledger)
-                                   .where(ledger.c.trip_id == trip_id)).scalar_one()
-    finally:
-        engine.dispose()
-    assert charges == expected
-
-    app = Celery("example-check", set_as_current=False)
-    app.conf.update(duraflow_database_url=url,
-                    duraflow_table_prefix=services_env["DURAFLOW_TABLE_PREFIX"])
-    run = get_run(trip_id, app=app)
+    assert _ledger_charges(url, services_env["EXAMPLE_TABLE_PREFIX"], trip_id) == expected
+    run = _recorded_run(url, trip_id, services_env["DURAFLOW_TABLE_PREFIX"])
     if naive:
         assert run is None  # a plain Celery task leaves no run behind
     else:
-        assert run is not None and run.status == "succeeded"
-        assert run.step(BOOK_FLIGHT).attempts == 1
-        assert run.step(NOTIFY_USER).attempts == 2
+        _check_approved_run(run)
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.subprocess
+def test_wait_for_human_is_answered_with_the_celery_command(
+        tmp_path: Path, services_env: dict[str, str]) -> None:
+    """`--wait-for-human`: the run waits until `celery ... duraflow signal` approves it."""
+    command = [sys.executable, "-m", "example_project", "--wait-for-human",
+               "--timeout", str(DEMO_TIMEOUT / 2)]
+    proc = subprocess.Popen(command, cwd=tmp_path, env=services_env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # If the demo hangs, stop it, so that reading its output below comes to an end.
+    watchdog = threading.Timer(DEMO_TIMEOUT, proc.terminate)
+    watchdog.start()
+    try:
+        assert proc.stdout is not None
+        seen: list[str] = []
+        while not any("duraflow signal" in line for line in seen):
+            line = proc.stdout.readline()
+            assert line, "the demo ended without printing the signal command:\n" + "".join(seen)
+            seen.append(line)
+        trip_id = _trip_id("".join(seen))
+        printed = seen[-1]
+        assert f"CELERY_BROKER_URL={services_env['CELERY_BROKER_URL']}" in printed
+        assert f"DURAFLOW_TABLE_PREFIX={services_env['DURAFLOW_TABLE_PREFIX']}" in printed
+        assert f"duraflow signal {trip_id} approval '{{\"approved\": true}}'" in printed
+
+        # Nobody answered yet: the run waits, and nothing is charged.
+        url = services_env["DURAFLOW_DATABASE_URL"]
+        prefix = services_env["DURAFLOW_TABLE_PREFIX"]
+        waiting = _recorded_run(url, trip_id, prefix)
+        assert waiting is not None and waiting.status == "waiting"
+        assert (waiting.wait_kind, waiting.waiting_for) == ("signal", APPROVAL)
+        assert _ledger_charges(url, services_env["EXAMPLE_TABLE_PREFIX"], trip_id) == 0
+
+        signal = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "example_project.app", "duraflow", "signal",
+             trip_id, APPROVAL, json.dumps(APPROVED)],
+            cwd=tmp_path, env=services_env, capture_output=True, text=True, timeout=60)
+        assert signal.returncode == 0, signal.stderr
+        assert f"signal 'approval' stored for {trip_id}" in signal.stdout
+
+        rest = proc.stdout.read()
+        returncode = proc.wait()
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = "".join(seen) + rest
+    assert returncode == 0, output
+    assert "ledger: 1 charge for this trip (expected 1)" in output, output
+    assert "worker exited with code" not in output, output
+    _check_durable_trace(_trace(output))
+    assert _ledger_charges(url, services_env["EXAMPLE_TABLE_PREFIX"], trip_id) == 1
+    _check_approved_run(_recorded_run(url, trip_id, prefix))
 
 
 # -- the pieces the demo relies on -----------------------------------------------------------
