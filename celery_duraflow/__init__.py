@@ -9,6 +9,7 @@
         ...
 """
 
+from ._operations import cancel, retry_run
 from ._patched import patched
 from ._recovery import recover, recovery_beat_entry
 from ._rewrite import durable
@@ -26,7 +27,9 @@ from .errors import (
     NonDeterministicReplay,
     NotInDurableTask,
     RunArgumentsMismatch,
+    RunCancelled,
     RunNotFound,
+    RunStateError,
     SignalTimeout,
     StepCodeChanged,
     StepConflict,
@@ -50,7 +53,9 @@ __all__ = [
     "NonDeterministicReplay",
     "NotInDurableTask",
     "RunArgumentsMismatch",
+    "RunCancelled",
     "RunNotFound",
+    "RunStateError",
     "RunView",
     "SignalTimeout",
     "StepCodeChanged",
@@ -63,12 +68,14 @@ __all__ = [
     "StepView",
     "StoreUnavailable",
     "__version__",
+    "cancel",
     "child",
     "durable",
     "get_run",
     "patched",
     "recover",
     "recovery_beat_entry",
+    "retry_run",
     "send_signal",
     "sleep",
     "step",

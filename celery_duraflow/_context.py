@@ -49,6 +49,22 @@ class RunContext:
     fatal: NonDeterministicReplay | None = None
     # (parent key, position) -> the key recorded there; built on first use.
     _positions: dict[tuple[str, int], str] | None = None
+    # Why the run is being unwound ("cancel" or "failure"), or None: at the first step
+    # that has not completed, the attempt stops and the compensations run.
+    unwinding: str | None = None
+    # (step key, undo, the step's result) of every completed step with compensate=, in
+    # the order they completed (or were replayed).
+    compensations: list[tuple[str, Any, Any]] = field(default_factory=list)
+
+    def stop_if_unwinding(self, key: str) -> None:
+        """At a step boundary: stop the run here if it is being cancelled or unwound."""
+        if self.unwinding is None:
+            from ._lease import keeper
+
+            if not keeper().cancelled(self.task_id, self.owner):
+                return
+            self.unwinding = "cancel"
+        raise Unwind(self.task_id, key, self.unwinding)
 
     def recorded_at(self, parent: str, position: int) -> str | None:
         """The key of the step recorded at ``position`` among ``parent``'s steps."""
@@ -126,6 +142,16 @@ class Suspended(BaseException):
         self.key = key
         self.status = status
         self.countdown = countdown
+
+
+class Unwind(BaseException):
+    """The run stops at this step boundary to be cancelled or compensated."""
+
+    def __init__(self, task_id: str, key: str, reason: str) -> None:
+        super().__init__(f"task {task_id} stops before {key!r} ({reason})")
+        self.task_id = task_id
+        self.key = key
+        self.reason = reason
 
 
 # Reset in a ``finally`` by DurableTask.__call__: worker pools reuse threads.

@@ -107,6 +107,8 @@ class LeaseKeeper:
         # (more than one only for an eager retry nested in its caller's attempt).
         self._held: dict[tuple[Store, str], _Held] = {}
         self._lost: set[tuple[str, str]] = set()
+        # Leases whose run was asked to stop (cancel()): seen when renewing.
+        self._unwinding: set[tuple[str, str]] = set()
         self._wake = threading.Event()
         # How long the thread is currently sleeping between renewals.
         self._waiting = _IDLE
@@ -134,16 +136,22 @@ class LeaseKeeper:
             if entry.count <= 0:
                 del self._held[(store, task_id)]
                 self._lost.discard((task_id, owner))
+                self._unwinding.discard((task_id, owner))
 
     def lost(self, task_id: str, owner: str) -> bool:
         """True once a renewal found the lease held by someone else."""
         return (task_id, owner) in self._lost
+
+    def cancelled(self, task_id: str, owner: str) -> bool:
+        """True once a renewal found that the run was asked to stop."""
+        return (task_id, owner) in self._unwinding
 
     def _ensure_thread(self) -> None:
         if self._pid != os.getpid():
             # Forked: the parent's thread does not exist here, nor do its leases.
             self._held.clear()
             self._lost.clear()
+            self._unwinding.clear()
             self._thread = None
             self._pid = os.getpid()
         if self._thread is None or not self._thread.is_alive():
@@ -169,6 +177,8 @@ class LeaseKeeper:
                     if lease not in kept and (store, lease[0]) in self._held:
                         logger.warning("task %s lost its lease to another owner", lease[0])
                         self._lost.add(lease)
+                    elif kept.get(lease) == "cancel":
+                        self._unwinding.add(lease)
 
     def _loop(self) -> None:
         last = time.monotonic()

@@ -81,6 +81,7 @@ def build_tables(prefix: str) -> Tables:
         *_v3_run_columns(),
         *_v6_run_columns(),
         *_v7_run_columns(),
+        *_v8_run_columns(),
     )
     steps = _v5_steps(prefix, metadata)
     for column in _v7_step_columns():
@@ -89,6 +90,8 @@ def build_tables(prefix: str) -> Tables:
     Index(f"{prefix}runs_status_updated", runs.c.status, runs.c.updated_at)
     Index(f"{prefix}runs_status_lease", runs.c.status, runs.c.lease_expires_at)
     Index(f"{prefix}runs_parent", runs.c.parent_id)
+    for name, columns in _v8_indexes(runs):
+        Index(name, *columns)
     return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps,
                   signals=signals)
 
@@ -183,6 +186,22 @@ def _v7_step_columns() -> list[Column[object]]:
         # `with` block, or the function given to .run(). Replays compare them.
         Column("input_fingerprint", String(64), nullable=True),
         Column("code_fingerprint", String(64), nullable=True),
+    ]
+
+
+def _v8_run_columns() -> list[Column[object]]:
+    # Why the run is being unwound: "cancel" (cancel() asked for it) or "failure" (it
+    # failed for good and has compensations to run). NULL: it is not.
+    return [Column("unwinding", String(16), nullable=True)]
+
+
+def _v8_indexes(runs: Table) -> list[tuple[str, tuple[Column[object], ...]]]:
+    """The listings' indexes: newest first, by status and by task name."""
+    prefix = runs.name.removesuffix("runs")
+    return [
+        (f"{prefix}runs_created", (runs.c.created_at,)),
+        (f"{prefix}runs_status_created", (runs.c.status, runs.c.created_at)),
+        (f"{prefix}runs_task_created", (runs.c.task_name, runs.c.created_at)),
     ]
 
 
@@ -298,6 +317,16 @@ def _v7_fingerprints(conn: Connection, tables: Tables) -> None:
         _add_column(conn, f"{prefix}steps", column)
 
 
+def _v8_operations(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    for column in _v8_run_columns():
+        _add_column(conn, f"{prefix}runs", column)
+    runs = Table(f"{prefix}runs", MetaData(), Column("created_at", DateTime(timezone=True)),
+                 Column("status", String(16)), Column("task_name", String(255)))
+    for name, columns in _v8_indexes(runs):
+        Index(name, *columns).create(conn)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -307,6 +336,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
     (5, "steps keyed by (task_id, step_key), with their position", _v5_step_primary_key),
     (6, "sleeps, signals and child runs", _v6_waits),
     (7, "code and input fingerprints", _v7_fingerprints),
+    (8, "cancellation and compensation, listing indexes", _v8_operations),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
-from ._context import RunContext, Suspended, current_run, describe
+from ._context import RunContext, Suspended, Unwind, current_run, describe
 from ._lease import keeper
 from ._rewrite import GUARD_NAME, code_fingerprint
 from ._store import STEP_COMPLETED, STEP_FAILED, STEP_RUNNING, StepRecord
@@ -96,6 +96,7 @@ class StepContext:
     __slots__ = (
         "_claimed",
         "_code_fp",
+        "_compensate",
         "_ctx",
         "_entered",
         "_input_fp",
@@ -114,6 +115,7 @@ class StepContext:
     )
 
     def __init__(self, name: str, *, input: Any = _NO_INPUT,
+                 compensate: Callable[[Any], Any] | None = None,
                  on_in_doubt: str = "rerun") -> None:
         ctx = current_run.get()
         self.name = check_name(name, ctx)
@@ -137,6 +139,10 @@ class StepContext:
 
             self._input_fp = fingerprint(input, ctx.serializer)
         self._code_fp: str | None = None
+        if compensate is not None and not callable(compensate):
+            raise TypeError(f"compensate= of step {self.key!r} in task {ctx.task_id} must be "
+                            f"callable, got {describe(compensate)}")
+        self._compensate = compensate
         self.result: Any = None
         self.cached = False
         self.in_doubt = False
@@ -224,7 +230,12 @@ class StepContext:
         prior = ctx.recorded.get(self.key)
         if prior is not None and prior.status == STEP_COMPLETED:
             self._use_stored(prior)
+            if self._compensate is not None:
+                ctx.compensations.append((self.key, self._compensate, self.result))
         else:
+            # A step that has not completed: the boundary where a cancelled (or failed,
+            # compensating) run stops.
+            ctx.stop_if_unwinding(self.key)
             # In doubt: a claimed row that never ended, or, in a run taken over from an
             # owner that died, an unfinished step reached before this attempt has recorded
             # anything (the dead owner was in it, or had not reached it: we cannot tell).
@@ -338,7 +349,7 @@ class StepContext:
         if not self._running:
             return  # cached: nothing to record
         self._running = False
-        if isinstance(exc, Suspended):
+        if isinstance(exc, Suspended | Unwind):
             # A wait inside this step suspended the run: the step has not ended. The next
             # attempt enters it again, and its finished children answer from the store.
             return
@@ -368,6 +379,8 @@ class StepContext:
         self._record(STEP_COMPLETED, output=data)
         # Hand back what a replay will see, so the first attempt and replays agree.
         self.result = value
+        if self._compensate is not None:
+            ctx.compensations.append((self.key, self._compensate, value))
         logger.debug("step %r of task %s: completed", self.key, ctx.task_id)
 
     def _record(self, status: str, *, output: str | None = None,
@@ -409,7 +422,7 @@ def _decode(ctx: RunContext, record: StepRecord) -> Any:
                   task_id=ctx.task_id, step_key=record.key)
 
 
-def step(name: str, *, input: Any = _NO_INPUT,
+def step(name: str, *, input: Any = _NO_INPUT, compensate: Callable[[Any], Any] | None = None,
          on_in_doubt: str = "rerun") -> StepContext:
     """Declare a durable step of the running task.
 
@@ -417,6 +430,10 @@ def step(name: str, *, input: Any = _NO_INPUT,
     replay that reaches the completed step with another input raises
     :class:`~celery_duraflow.StepInputChanged` instead of handing back an
     output computed from the old one (``duraflow_on_divergence``).
+
+    ``compensate``, when given, is called with the step's result to undo it
+    if the run later fails for good or is cancelled: the compensations of
+    the completed steps run in reverse order, each recorded like a step.
 
     ``on_in_doubt`` says what to do when an earlier attempt started this
     step and died before recording its end: ``"rerun"`` (the default) runs
@@ -435,4 +452,4 @@ def step(name: str, *, input: Any = _NO_INPUT,
 
         booking = step("book-flight").run(airline.book, flight)
     """
-    return StepContext(name, input=input, on_in_doubt=on_in_doubt)
+    return StepContext(name, input=input, compensate=compensate, on_in_doubt=on_in_doubt)

@@ -33,6 +33,7 @@ from sqlalchemy import (
     exists,
     func,
     literal,
+    null,
     or_,
     select,
     true,
@@ -122,6 +123,7 @@ class RunRecord:
     wake_at: datetime | None = None
     parent_id: str | None = None
     code_fingerprint: str | None = None
+    unwinding: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:
@@ -518,7 +520,7 @@ class Store:
             .values(task_id=task_id, created_at=now, recoveries=0,
                     **{**values, "attempts": 1, "args": delivery.args,
                        "args_fingerprint": delivery.args_fingerprint, "interrupted": False,
-                       "code_fingerprint": delivery.code_fingerprint})
+                       "code_fingerprint": delivery.code_fingerprint, "error": None})
         )
         stmt = stmt.on_conflict_do_update(
             index_elements=[runs.c.task_id],
@@ -555,7 +557,8 @@ class Store:
             "task_name": delivery.task_name,
             "status": RUNNING,
             "attempts": runs.c.attempts + 1,
-            "error": None,
+            # A run being unwound keeps the error that made it fail until it ends.
+            "error": case((runs.c.unwinding.is_(None), null()), else_=runs.c.error),
             "finished_at": None,
             "updated_at": now,
             "lease_owner": delivery.owner,
@@ -609,10 +612,64 @@ class Store:
                    runs.c.status != SUCCEEDED)
             .values(status=status, result=result, serializer=serializer, error=error,
                     updated_at=now, finished_at=now, lease_owner=None, lease_expires_at=None,
-                    interrupted=False)
+                    interrupted=False, unwinding=None)
         )
         with self._write(f"recording the run as {status}", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
+
+    def begin_unwinding(self, task_id: str, owner: str, reason: str,
+                        error: str | None) -> bool:
+        """Record, before the first compensation runs, that this run is being unwound.
+
+        An attempt that dies while compensating leaves this mark; the next
+        attempt replays only up to the first unfinished step and goes on with
+        the compensations (those already recorded are not run again).
+        """
+        runs = self.tables.runs
+        stmt = (
+            update(runs)
+            .where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
+            .values(unwinding=reason, error=error, updated_at=_now())
+        )
+        with self._write("recording that the run is being unwound", task_id) as conn:
+            return bool(conn.execute(stmt).rowcount)
+
+    def request_cancel(self, task_id: str, *, grace: float) -> tuple[RunRecord | None, bool]:
+        """Ask an unfinished run to stop; return it (None if unknown) and whether to send it.
+
+        A sleeping or waiting run is made runnable at once (the caller sends
+        it), so that its cancellation and compensations happen now; a running
+        run stops at its next step boundary; a run that already ended is
+        returned unchanged.
+        """
+        runs = self.tables.runs
+        now = _now()
+        ask = (
+            update(runs)
+            .where(runs.c.task_id == task_id, runs.c.status.not_in(FINISHED))
+            .values(unwinding=case((runs.c.unwinding == "failure", runs.c.unwinding),
+                                   else_=literal("cancel")), updated_at=now)
+            .returning(*runs.c)
+        )
+        wake = (
+            update(runs)
+            .where(runs.c.task_id == task_id, runs.c.status.in_((SLEEPING, WAITING)))
+            .values(status=RUNNING, lease_owner=None,
+                    lease_expires_at=now + timedelta(seconds=grace), updated_at=now,
+                    wait_kind=None, waiting_for=None, wake_at=None)
+            .returning(*runs.c)
+        )
+        self.ensure_schema(task_id)
+        with self._unavailable("cancelling the run", task_id), \
+                self._transactional().begin() as conn:
+            row = conn.execute(ask).first()
+            if row is None:
+                found = conn.execute(select(runs).where(runs.c.task_id == task_id)).first()
+                return (RunRecord.from_row(found) if found is not None else None), False
+            woken = conn.execute(wake).first()
+        if woken is not None:
+            return RunRecord.from_row(woken), True
+        return RunRecord.from_row(row), False
 
     def release_lease(self, task_id: str, owner: str, *,
                       recover_after: float | None) -> bool:
@@ -634,10 +691,11 @@ class Store:
         with self._write("releasing the run's lease", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
 
-    def renew_leases(self, leases: list[tuple[str, str]]) -> set[tuple[str, str]]:
-        """Extend the given (task id, owner) leases; return those still held."""
+    def renew_leases(self, leases: list[tuple[str, str]]) -> dict[tuple[str, str], str | None]:
+        """Extend the given (task id, owner) leases; return those still held, each with
+        why its run is being unwound (``cancel``), if it is."""
         if not leases:
-            return set()
+            return {}
         runs = self.tables.runs
         expires = _now() + timedelta(seconds=self.config.lease_seconds)
         stmt = (
@@ -645,10 +703,10 @@ class Store:
             .where(or_(*[and_(runs.c.task_id == task_id, runs.c.lease_owner == owner)
                          for task_id, owner in leases]))
             .values(lease_expires_at=expires)
-            .returning(runs.c.task_id, runs.c.lease_owner)
+            .returning(runs.c.task_id, runs.c.lease_owner, runs.c.unwinding)
         )
         with self._write("renewing run leases") as conn:
-            return {(row[0], row[1]) for row in conn.execute(stmt)}
+            return {(row[0], row[1]): row[2] for row in conn.execute(stmt)}
 
     def recoverable_runs(self, limit: int) -> list[RunRecord]:
         """Runs that need a delivery and will not get one by themselves.
@@ -701,6 +759,73 @@ class Store:
         )
         with self._write("marking a run to be sent again", run.task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
+
+    def reset_for_retry(self, task_id: str, *, from_step: str | None, grace: float,
+                        compensation_prefix: str) -> RunRecord:
+        """Make an ended run runnable again under its task id, in one transaction.
+
+        With ``from_step``, the recorded outcome of that step, of the steps
+        nested in it and of every step that started after it is discarded, so
+        they run again. Refused for a run that has not ended, and for a run
+        whose steps were undone by compensations unless ``from_step`` is given
+        (their recorded outputs describe effects that no longer exist).
+        """
+        from .errors import RunNotFound, RunStateError
+
+        runs, steps = self.tables.runs, self.tables.steps
+        now = _now()
+        self.ensure_schema(task_id)
+        with self._unavailable("resetting the run for a retry", task_id), \
+                self._transactional().begin() as conn:
+            query = select(runs).where(runs.c.task_id == task_id)
+            if self.dialect == "postgresql":
+                query = query.with_for_update()
+            row = conn.execute(query).first()
+            if row is None:
+                raise RunNotFound(f"no run with task id {task_id} is recorded; check the id.",
+                                  task_id=task_id)
+            run = RunRecord.from_row(row)
+            if run.status not in FINISHED or run.unwinding is not None:
+                raise RunStateError(
+                    f"run {task_id} is {run.status}, so it cannot be retried: only a run "
+                    "that has ended (failed, compensated, cancelled or succeeded) can. Cancel "
+                    "it first if it must stop.", task_id=task_id)
+            undone = conn.execute(select(func.count()).select_from(steps).where(
+                steps.c.task_id == task_id,
+                steps.c.step_key.like(f"{compensation_prefix}%"),
+                steps.c.status == STEP_COMPLETED)).scalar()
+            if undone and from_step is None:
+                raise RunStateError(
+                    f"run {task_id} was compensated: {undone} of its steps were undone, so "
+                    "replaying their recorded outputs would act on effects that no longer "
+                    "exist. Retry it from the first step that must run again (--from-step "
+                    "KEY), or send the work again under a new task id.", task_id=task_id)
+            if from_step is not None:
+                chosen = conn.execute(select(steps).where(
+                    steps.c.task_id == task_id, steps.c.step_key == from_step)).first()
+                if chosen is None:
+                    raise RunStateError(
+                        f"run {task_id} has no step {from_step!r}; `celery -A proj duraflow "
+                        f"show {task_id}` lists its steps.", task_id=task_id,
+                        step_key=from_step)
+                conn.execute(steps.delete().where(
+                    steps.c.task_id == task_id,
+                    or_(steps.c.step_key == from_step,
+                        steps.c.step_key.like(from_step.replace("%", "\\%")
+                                              .replace("_", "\\_") + "/%", escape="\\"),
+                        steps.c.started_at >= chosen._mapping["started_at"])))
+            # Undo records belong to the ending that is being retried.
+            conn.execute(steps.delete().where(
+                steps.c.task_id == task_id,
+                steps.c.step_key.like(f"{compensation_prefix}%")))
+            updated = conn.execute(
+                update(runs).where(runs.c.task_id == task_id)
+                .values(status=RUNNING, result=None, serializer=None, error=None,
+                        finished_at=None, updated_at=now, lease_owner=None,
+                        lease_expires_at=now + timedelta(seconds=grace), retries=0,
+                        unwinding=None, interrupted=False)
+                .returning(*runs.c)).one()
+        return RunRecord.from_row(updated)
 
     # -- waits ---------------------------------------------------------------------------
 

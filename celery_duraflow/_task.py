@@ -5,14 +5,16 @@ from __future__ import annotations
 import logging
 import random
 import types
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 
+from ._compensation import unwind
 from ._config import Config, config_for_app
-from ._context import RunContext, Suspended, current_run, describe
+from ._context import RunContext, Suspended, Unwind, current_run, describe
 from ._lease import keeper, new_owner, owner_is_gone
 from ._rewrite import code_fingerprint, prepare
 from ._serialization import Serializer, decode, encode_arguments, get_serializer
@@ -22,6 +24,7 @@ from ._waits import wake_parent
 from .errors import (
     LeaseLost,
     RunArgumentsMismatch,
+    RunCancelled,
     StepOutputNotSerializable,
     StoreUnavailable,
 )
@@ -100,7 +103,7 @@ class DurableTask(Task):  # type: ignore[misc]
         ctx = RunContext(task_id=task_id, task_name=self.name, owner=owner, store=store,
                          serializer=serializer, serializer_name=config.serializer,
                          recorded=recorded, interrupted=run.interrupted, task=self,
-                         config=config)
+                         config=config, unwinding=run.unwinding)
         token = current_run.set(ctx)
         try:
             result = super().__call__(*args, **kwargs)
@@ -108,6 +111,16 @@ class DurableTask(Task):  # type: ignore[misc]
             # The run sleeps or waits; the wait recorded that and released the lease.
             if suspended.countdown is not None:
                 self._send_later(suspended.countdown)
+            raise Ignore() from None
+        except Unwind as stop:
+            # Cancelled, or failed for good in an attempt that died while compensating:
+            # the replay stopped at the first unfinished step; undo what completed.
+            status = unwind(ctx, run, stop.reason, run.error)
+            wake_parent(self._get_app(), replace(run, status=status))
+            if stop.reason == "cancel":
+                raise RunCancelled(
+                    f"task {task_id} ({self.name}) was cancelled before step {stop.key!r}; "
+                    f"its run is {status}.", task_id=task_id, step_key=stop.key) from None
             raise Ignore() from None
         except Retry as exc:
             # Celery sends the retry itself. Only if it is lost (a broker that dropped it)
@@ -128,7 +141,11 @@ class DurableTask(Task):  # type: ignore[misc]
             logger.warning("task %s: %s", task_id, exc)
             raise Ignore() from exc
         except BaseException as exc:
-            if self._record_failure(ctx, exc):
+            if isinstance(exc, Exception) and ctx.compensations:
+                # Failed for good, with completed steps to undo.
+                status = unwind(ctx, run, "failure", f"{type(exc).__qualname__}: {exc}"[:4000])
+                wake_parent(self._get_app(), replace(run, status=status))
+            elif self._record_failure(ctx, exc):
                 wake_parent(self._get_app(), run)
             raise
         finally:

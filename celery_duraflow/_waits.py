@@ -83,6 +83,10 @@ class _Wait:
         assert ctx.config is not None
         self.config: Config = ctx.config
 
+    def stop_if_unwinding(self) -> None:
+        if not self.done:
+            self.ctx.stop_if_unwinding(self.key)
+
     @property
     def done(self) -> bool:
         return self.record is not None and self.record.status == STEP_COMPLETED
@@ -120,7 +124,8 @@ class _Wait:
         if not ctx.store.record_step(
                 ctx.task_id, self.key, ctx.owner, status=status, started_at=self.now,
                 output=data, serializer=ctx.serializer_name, new=self.record is None,
-                position=self.position):
+                # A wait that ends is not run again: its attempt count stays.
+                claimed=self.record is not None, position=self.position):
             raise self.lease_lost()
         ctx.recorded_any = True
         self.record = StepRecord(
@@ -182,6 +187,7 @@ def sleep(name: str, seconds: float | timedelta | None = None, *,
     if (seconds is None) == (until is None):
         raise TypeError(f"sleep({name!r}) needs either seconds or until=, not both or neither")
     wait = _Wait("sleep", name)
+    wait.stop_if_unwinding()
     if wait.done:
         return
     if wait.waiting:
@@ -213,6 +219,7 @@ def wait_for_signal(name: str, *, timeout: float | timedelta | None = None) -> A
     is raised once it has passed, and on every replay after that.
     """
     wait = _Wait("signal", name)
+    wait.stop_if_unwinding()
     ctx = wait.ctx
     if wait.done:
         return _signal_outcome(wait, wait.stored())
@@ -259,6 +266,7 @@ def child(name: str, signature: Any, *, timeout: float | timedelta | None = None
     :class:`~celery_duraflow.ChildTimeout` (the child itself goes on).
     """
     wait = _Wait("child", name)
+    wait.stop_if_unwinding()
     ctx = wait.ctx
     if wait.done:
         return _child_outcome(wait, wait.stored())

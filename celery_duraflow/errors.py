@@ -15,7 +15,9 @@ to the caller intact::
     │   └── StepInputChanged      ... a completed step was given another input
     ├── NotInDurableTask          step() was used outside a run of a DurableTask
     ├── RunArgumentsMismatch      a task id was sent again with other arguments
+    ├── RunCancelled              the run was cancelled (its compensations ran)
     ├── RunNotFound               no run with that task id is recorded
+    ├── RunStateError             the run's status does not allow the operation
     ├── SignalTimeout             wait_for_signal() reached its timeout first
     ├── StepInDoubt               an interrupted step asks for a human (on_in_doubt="raise")
     ├── StepNotPrepared           `with step(...)` in code that was not prepared
@@ -39,7 +41,9 @@ __all__ = [
     "NonDeterministicReplay",
     "NotInDurableTask",
     "RunArgumentsMismatch",
+    "RunCancelled",
     "RunNotFound",
+    "RunStateError",
     "SignalTimeout",
     "StepCodeChanged",
     "StepConflict",
@@ -199,3 +203,11 @@ class StepCodeChanged(NonDeterministicReplay):
     Only raised with ``duraflow_on_code_change = "fail"``; by default a warning
     is logged and the stored output is used.
     """
+
+
+class RunCancelled(DuraflowError):
+    """The run was cancelled with ``cancel()``; the compensations of its steps ran."""
+
+
+class RunStateError(DuraflowError, RuntimeError):
+    """The run is in a status that does not allow this (retrying a running run, say)."""
