@@ -29,6 +29,7 @@ from ._store import (
     RunRecord,
 )
 from .errors import LeaseLost
+from .signals import run_unwound
 
 logger = logging.getLogger("celery_duraflow.compensation")
 
@@ -78,6 +79,8 @@ def unwind(ctx: RunContext, run: RunRecord, reason: str, error: str | None) -> s
                         task_id=ctx.task_id)
     log = logger.warning if failures else logger.info
     log("task %s is %s", ctx.task_id, status)
+    if run_unwound.receivers:
+        run_unwound.send(sender=ctx.task, task_id=ctx.task_id, reason=reason, status=status)
     return status
 
 

@@ -55,6 +55,8 @@ class RunContext:
     # (step key, undo, the step's result) of every completed step with compensate=, in
     # the order they completed (or were replayed).
     compensations: list[tuple[str, Any, Any]] = field(default_factory=list)
+    # The key of the last step whose body raised in this attempt, for the log.
+    failed_step: str | None = None
 
     def stop_if_unwinding(self, key: str) -> None:
         """At a step boundary: stop the run here if it is being cancelled or unwound."""

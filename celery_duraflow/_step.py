@@ -26,6 +26,7 @@ from .errors import (
     StepOutputNotSerializable,
     StoreUnavailable,
 )
+from .signals import step_failed, step_replayed, step_started, step_succeeded
 
 logger = logging.getLogger("celery_duraflow.step")
 
@@ -277,6 +278,9 @@ class StepContext:
             else:
                 logger.debug("step %r of task %s: running (attempt %d)",
                              self.key, ctx.task_id, self.attempt)
+            if step_started.receivers:
+                step_started.send(sender=ctx.task, task_id=ctx.task_id, step_key=self.key,
+                                  attempt=self.attempt)
         ctx.stack.append(self)
 
     def _lease_lost(self) -> LeaseLost:
@@ -339,6 +343,8 @@ class StepContext:
         self.attempt = record.attempts
         self._should_run = False
         logger.debug("step %r of task %s: completed earlier, body skipped", self.key, ctx.task_id)
+        if step_replayed.receivers:
+            step_replayed.send(sender=ctx.task, task_id=ctx.task_id, step_key=self.key)
 
     def _end(self, exc: BaseException | None) -> None:
         ctx = self._ctx
@@ -360,8 +366,12 @@ class StepContext:
                 # Keep the user's exception; the next attempt treats the step as in doubt.
                 logger.warning("could not record the failure of step %r of task %s",
                                self.key, ctx.task_id, exc_info=True)
+            ctx.failed_step = self.key
             logger.debug("step %r of task %s: failed (%s)", self.key, ctx.task_id,
                          type(exc).__name__)
+            if step_failed.receivers:
+                step_failed.send(sender=ctx.task, task_id=ctx.task_id, step_key=self.key,
+                                 attempt=self.attempt, exception=exc)
             return
         try:
             data = ctx.serializer.dumps(self.result)
@@ -382,6 +392,10 @@ class StepContext:
         if self._compensate is not None:
             ctx.compensations.append((self.key, self._compensate, value))
         logger.debug("step %r of task %s: completed", self.key, ctx.task_id)
+        if step_succeeded.receivers:
+            step_succeeded.send(
+                sender=ctx.task, task_id=ctx.task_id, step_key=self.key, attempt=self.attempt,
+                duration=(datetime.now(UTC) - self._started_at).total_seconds())
 
     def _record(self, status: str, *, output: str | None = None,
                 error: str | None = None) -> None:

@@ -123,6 +123,9 @@ class DurableTask(Task):  # type: ignore[misc]
                     f"its run is {status}.", task_id=task_id, step_key=stop.key) from None
             raise Ignore() from None
         except Retry as exc:
+            logger.info("task %s (%s): retry %d requested%s", task_id, self.name,
+                        int(self.request.retries or 0) + 1,
+                        f" after step {ctx.failed_step!r} failed" if ctx.failed_step else "")
             # Celery sends the retry itself. Only if it is lost (a broker that dropped it)
             # does the sweep re-send the run, well after it was due: a retry stuck behind a
             # long queue is not lost, and sending it twice would only cost a message.
@@ -141,6 +144,9 @@ class DurableTask(Task):  # type: ignore[misc]
             logger.warning("task %s: %s", task_id, exc)
             raise Ignore() from exc
         except BaseException as exc:
+            logger.warning("task %s (%s) failed for good%s: %s", task_id, self.name,
+                           f" at step {ctx.failed_step!r}" if ctx.failed_step else "",
+                           type(exc).__qualname__)
             if isinstance(exc, Exception) and ctx.compensations:
                 # Failed for good, with completed steps to undo.
                 status = unwind(ctx, run, "failure", f"{type(exc).__qualname__}: {exc}"[:4000])
