@@ -211,3 +211,19 @@ def postgres_stopped() -> Iterator[None]:
                        check=False, capture_output=True)
         if not _pg_ready(60):
             pytest.fail("PostgreSQL did not come back after the outage", pytrace=False)
+
+
+def wait_for_status(app: Celery, task_id: str, status: str, timeout: float = 15.0) -> Any:
+    """Poll the store until run ``task_id`` has ``status``; return its view (get_run)."""
+    import time
+
+    from celery_duraflow import get_run
+
+    deadline = time.monotonic() + timeout
+    run = None
+    while time.monotonic() < deadline:
+        run = get_run(task_id, app=app)
+        if run is not None and run.status == status:
+            return run
+        time.sleep(0.02)
+    raise AssertionError(f"run {task_id} is {run.status if run else 'unknown'}, not {status}")

@@ -26,7 +26,7 @@ from celery_duraflow import (
 )
 from celery_duraflow._config import config_for_app
 from celery_duraflow._store import store_for
-from tests.conftest import run_worker
+from tests.conftest import run_worker, wait_for_status
 
 RESULT_TIMEOUT = 30.0
 
@@ -37,17 +37,6 @@ class NoSeats(Exception):
 
 class Crash(BaseException):
     """Stands in for the worker process dying in the middle of an undo."""
-
-
-def _until(app: Celery, task_id: str, status: str, timeout: float = 15.0) -> Any:
-    deadline = time.monotonic() + timeout
-    run = None
-    while time.monotonic() < deadline:
-        run = get_run(task_id, app=app)
-        if run is not None and run.status == status:
-            return run
-        time.sleep(0.02)
-    raise AssertionError(f"run {task_id} is {run.status if run else 'unknown'}, not {status}")
 
 
 def _booking_task(app: Celery, undone: list[str], *, fail: BaseException | None = None,
@@ -184,7 +173,7 @@ def test_cancel_a_waiting_run(make_app: Callable[..., Celery]) -> None:
 
     with run_worker(app):
         result = trip.delay()
-        _until(app, result.id, "waiting")
+        wait_for_status(app, result.id, "waiting")
         assert cancel(result.id, app=app) is True
         with pytest.raises(RunCancelled, match="approval"):
             result.get(timeout=RESULT_TIMEOUT)
@@ -207,9 +196,9 @@ def test_cancel_a_sleeping_run_at_once(make_app: Callable[..., Celery]) -> None:
 
     with run_worker(app):
         result = trip.delay()
-        _until(app, result.id, "sleeping")
+        wait_for_status(app, result.id, "sleeping")
         assert cancel(result.id, app=app) is True
-        _until(app, result.id, "cancelled")
+        wait_for_status(app, result.id, "cancelled")
     assert undone == ["release 9F"]
 
 
@@ -239,7 +228,7 @@ def test_cancel_a_running_run_stops_it_at_the_next_step(make_app: Callable[..., 
         assert cancel(result.id, app=app) is True
         time.sleep(1.0)  # three lease renewals: the worker has heard of it
         release.set()
-        _until(app, result.id, "cancelled")
+        wait_for_status(app, result.id, "cancelled")
     assert ran == ["slow-quote"]  # the step in progress finished; the next one never ran
     assert undone == ["release 1A"]
 
@@ -260,7 +249,7 @@ def test_cancelled_run_without_compensations(make_app: Callable[..., Celery]) ->
 
     with run_worker(app):
         result = trip.delay()
-        _until(app, result.id, "waiting")
+        wait_for_status(app, result.id, "waiting")
         cancel(result.id, app=app)
-        run = _until(app, result.id, "cancelled")
+        run = wait_for_status(app, result.id, "cancelled")
     assert run.error == "cancelled"

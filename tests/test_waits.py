@@ -25,7 +25,6 @@ from celery_duraflow import (
     DurableTask,
     NotInDurableTask,
     RunNotFound,
-    RunView,
     SignalTimeout,
     child,
     get_run,
@@ -36,21 +35,9 @@ from celery_duraflow import (
     wait_for_signal,
 )
 from celery_duraflow._waits import child_task_id
-from tests.conftest import run_worker
+from tests.conftest import run_worker, wait_for_status
 
 RESULT_TIMEOUT = 30.0
-
-
-def _until(app: Celery, task_id: str, status: str, timeout: float = 15.0) -> RunView:
-    """Poll the store until the run has ``status``; return its view."""
-    deadline = time.monotonic() + timeout
-    run = None
-    while time.monotonic() < deadline:
-        run = get_run(task_id, app=app)
-        if run is not None and run.status == status:
-            return run
-        time.sleep(0.02)
-    raise AssertionError(f"run {task_id} is {run.status if run else 'unknown'}, not {status}")
 
 
 def _worker_app(make_app: Callable[..., Celery], **conf: Any) -> Celery:
@@ -75,7 +62,7 @@ def test_short_sleep_wakes_on_time_through_the_broker(make_app: Callable[..., Ce
 
     with run_worker(app):
         result = nap.delay()
-        sleeping = _until(app, result.id, "sleeping")
+        sleeping = wait_for_status(app, result.id, "sleeping")
         assert sleeping.wait_kind == "sleep" and sleeping.waiting_for == "nap"
         assert sleeping.wake_at is not None
         assert sleeping.step("nap").status == "waiting"
@@ -103,12 +90,12 @@ def test_long_sleep_is_woken_by_the_sweep_not_the_broker(make_app: Callable[...,
 
     with run_worker(app):
         result = nap.delay()
-        sleeping = _until(app, result.id, "sleeping")
+        sleeping = wait_for_status(app, result.id, "sleeping")
         assert recover(app) == []  # not due yet: nothing is sent
         assert sleeping.wake_at is not None
         time.sleep(max(0.0, sleeping.wake_at.timestamp() - time.time()) + 0.05)
         time.sleep(0.5)  # no message was scheduled: without a sweep it keeps sleeping
-        assert _until(app, result.id, "sleeping").status == "sleeping"
+        assert wait_for_status(app, result.id, "sleeping").status == "sleeping"
         assert recover(app) == [result.id]
         assert result.get(timeout=RESULT_TIMEOUT) == "awake"
     assert calls == {"before": 1}
@@ -160,7 +147,7 @@ def test_signal_wakes_a_waiting_run_and_the_first_payload_wins(
 
     with run_worker(app):
         result = approve.delay(21)
-        waiting = _until(app, result.id, "waiting")
+        waiting = wait_for_status(app, result.id, "waiting")
         assert (waiting.wait_kind, waiting.waiting_for, waiting.wake_at) == (
             "signal", "approval", None)
         assert send_signal(result.id, "approval", {"approved": True}, app=app) is True
@@ -182,7 +169,7 @@ def test_signal_sent_before_the_wait_is_kept_for_it(make_app: Callable[..., Cele
 
     with run_worker(app):
         result = later.delay()
-        _until(app, result.id, "sleeping")
+        wait_for_status(app, result.id, "sleeping")
         assert send_signal(result.id, "approval", "yes", app=app) is True
         assert result.get(timeout=RESULT_TIMEOUT) == "yes"
     run = get_run(result.id, app=app)
@@ -210,7 +197,7 @@ def test_signal_timeout_is_raised_and_replayed(make_app: Callable[..., Celery]) 
 
     with run_worker(app):
         result = impatient.delay()
-        _until(app, result.id, "waiting")
+        wait_for_status(app, result.id, "waiting")
         assert result.get(timeout=RESULT_TIMEOUT) == "timed out"
         # Too late: stored, but the run already recorded its timeout.
         assert send_signal(result.id, "approval", "late", app=app) is True
@@ -250,14 +237,14 @@ def test_child_result_comes_back_and_a_replay_starts_no_second_child(
 
     with run_worker(app, pool="threads", concurrency=3):
         result = parent.delay("LIS")
-        waiting = _until(app, result.id, "waiting")
+        waiting = wait_for_status(app, result.id, "waiting")
         child_id = child_task_id(result.id, "search")
         assert (waiting.wait_kind, waiting.waiting_for) == ("child", child_id)
         # The parent is delivered again while its child runs: it waits again, and the
         # child is not started a second time.
         parent.apply_async(args=("LIS",), task_id=result.id)
         time.sleep(0.3)
-        _until(app, result.id, "waiting")
+        wait_for_status(app, result.id, "waiting")
         release.set()
         assert result.get(timeout=RESULT_TIMEOUT) == {"offers": ["LIS-1", "LIS-2"]}
     assert calls == {"prepare": 1, "child": 1}
@@ -313,7 +300,7 @@ def test_child_timeout(make_app: Callable[..., Celery]) -> None:
         release.set()
         child_id = child_task_id(result.id, "slow")
         AsyncResult(child_id, app=app)  # the child goes on and finishes on its own
-        assert _until(app, child_id, "succeeded").status == "succeeded"
+        assert wait_for_status(app, child_id, "succeeded").status == "succeeded"
 
 
 def test_child_must_be_durable(make_app: Callable[..., Celery]) -> None:
