@@ -1,7 +1,10 @@
 """The example's own tables, kept in the same database as celery-duraflow's.
 
 * ``<prefix>ledger``: one row per card charge made by the fake airline;
+* ``<prefix>refunds``: one row per cancelled booking, whose charge was refunded;
 * ``<prefix>mail_log``: every message the fake mailer was asked to send;
+* ``<prefix>mail_outages``: trips for which the fake mailer refuses every
+  message (the demo's ``--mailer-down``);
 * ``<prefix>trace``: what each attempt of a trip did at each step (ran, cached
   or failed), written by the task so the demo can print it afterwards, even
   when the task ran in another process.
@@ -52,7 +55,9 @@ class Tables:
 
     metadata: MetaData
     ledger: Table
+    refunds: Table
     mail_log: Table
+    mail_outages: Table
     trace: Table
 
 
@@ -75,6 +80,16 @@ def build_tables(prefix: str = DEFAULT_PREFIX) -> Tables:
         Column("booking_ref", String(32), nullable=False),
         Column("charged_at", DateTime(timezone=True), nullable=False),
     )
+    refunds = Table(
+        f"{prefix}refunds",
+        metadata,
+        Column("id", Integer, primary_key=True, autoincrement=True),
+        # A booking is refunded at most once, however often it is cancelled.
+        Column("booking_ref", String(32), nullable=False, unique=True),
+        Column("trip_id", String(255), nullable=False, index=True),
+        Column("amount_cents", Integer, nullable=False),
+        Column("refunded_at", DateTime(timezone=True), nullable=False),
+    )
     mail_log = Table(
         f"{prefix}mail_log",
         metadata,
@@ -84,6 +99,13 @@ def build_tables(prefix: str = DEFAULT_PREFIX) -> Tables:
         Column("subject", String(200), nullable=False),
         Column("delivered", Boolean, nullable=False),
         Column("at", DateTime(timezone=True), nullable=False),
+    )
+    mail_outages = Table(
+        f"{prefix}mail_outages",
+        metadata,
+        # A row here: the mail server refuses every message of this trip.
+        Column("trip_id", String(255), primary_key=True),
+        Column("since", DateTime(timezone=True), nullable=False),
     )
     trace = Table(
         f"{prefix}trace",
@@ -95,7 +117,8 @@ def build_tables(prefix: str = DEFAULT_PREFIX) -> Tables:
         Column("outcome", String(16), nullable=False),
         Column("detail", Text, nullable=False),
     )
-    return Tables(metadata=metadata, ledger=ledger, mail_log=mail_log, trace=trace)
+    return Tables(metadata=metadata, ledger=ledger, refunds=refunds, mail_log=mail_log,
+                  mail_outages=mail_outages, trace=trace)
 
 
 def normalize_url(raw: str) -> URL:
@@ -166,6 +189,13 @@ class ExampleDB:
         """How many times the card was charged for this trip."""
         ledger = self.tables.ledger
         stmt = select(func.count()).select_from(ledger).where(ledger.c.trip_id == trip_id)
+        with self.engine.connect() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
+    def refunds(self, trip_id: str) -> int:
+        """How many charges of this trip were refunded (one per cancelled booking)."""
+        refunds = self.tables.refunds
+        stmt = select(func.count()).select_from(refunds).where(refunds.c.trip_id == trip_id)
         with self.engine.connect() as conn:
             return int(conn.execute(stmt).scalar_one())
 

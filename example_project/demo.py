@@ -25,9 +25,18 @@ Before booking, the durable agent waits for a person's approval. Who gives it:
 ``--naive`` runs the same agent as a plain Celery task without steps (and
 without approval), to show the card being charged twice.
 
-The exit code is 0 when the ledger shows the expected number of charges (one
-for an approved durable trip, none for a declined one, two for the naive
-agent), 1 when it does not, 2 when the trip could not be run at all.
+``--mailer-down`` makes the mailer refuse every message of the trip (the demo
+lists the trip in the ``mail_outages`` table before sending it, so the worker
+sees it wherever it runs). The e-mail step then fails on every retry, the trip
+fails for good once ``max_retries`` is used up, and celery-duraflow runs the
+undo of the booking step: the booking is cancelled and the card refunded, and
+the run ends ``compensated``.
+
+The exit code is 0 when the ledger shows the expected charges and refunds
+(one charge for an approved durable trip, plus one refund if the mailer was
+down; nothing for a declined one; two charges for the naive agent) and the
+run ended as expected, 1 when it does not, 2 when the trip could not be run
+at all.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +67,9 @@ from celery_duraflow import RunView, get_run, send_signal
 
 from .app import app
 from .db import ExampleDB, example_db
-from .planner import APPROVAL, TripRequest, is_approved
+from .journal import COMPENSATION_PREFIX
+from .planner import APPROVAL, BOOK_FLIGHT, TripRequest, is_approved
+from .services import FlakyMailer, MailerDown
 from .tasks import book_trip, book_trip_naive
 
 REQUEST: TripRequest = {"origin": "LHR", "destination": "JFK", "date": "2025-06-01"}
@@ -225,35 +237,63 @@ def _handle_approval(trip: Trip, answer: bool | None) -> None:
 
 def _print_trace(db: ExampleDB, trip_id: str) -> None:
     print("what each attempt did:")
-    for row in db.trace(trip_id):
-        print(f"  attempt {row.attempt}  {row.step_key:<15} {row.outcome:<7} {row.detail}")
+    rows = db.trace(trip_id)
+    width = max([15, *(len(row.step_key) for row in rows)])
+    for row in rows:
+        print(f"  attempt {row.attempt}  {row.step_key:<{width}} {row.outcome:<7} {row.detail}")
 
 
-def _print_durable_summary(trip_id: str) -> tuple[bool, bool | None]:
+def _undone(run: RunView) -> list[str]:
+    """The keys of the steps whose undo is recorded as completed, in the order they ran."""
+    return [s.key.removeprefix(COMPENSATION_PREFIX) for s in run.steps
+            if s.key.startswith(COMPENSATION_PREFIX) and s.status == "completed"]
+
+
+def _print_durable_summary(trip_id: str) -> tuple[RunView | None, bool | None]:
     """Print what celery-duraflow recorded for the run.
 
-    Returns whether that looks right, and the answer recorded at the approval
-    wait (None if the run never got one).
+    Returns the run (None if nothing was recorded) and the answer recorded at
+    the approval wait (None if the run never got one).
     """
     run = get_run(trip_id, app=app)
     if run is None:
         print("duraflow: no run recorded for this trip")
-        return False, None
-    completed = [s for s in run.steps if s.status == "completed"]
+        return None, None
     # A wait's row is written twice (when it starts waiting, when it ends), which its
     # attempt counter shows as 2; it has no body, so it is left out here.
     retried = ", ".join(f"{s.key} x{s.attempts}" for s in run.steps
                         if s.attempts > 1 and s.key.split("#")[0] != APPROVAL)
-    print(f"duraflow: run {run.status} after {run.attempts} attempts; "
-          f"{len(completed)}/{len(run.steps)} steps completed; "
+    if run.status == "succeeded":
+        completed = [s for s in run.steps if s.status == "completed"]
+        done = f"{len(completed)}/{len(run.steps)} steps completed"
+    else:
+        done = f"undone: {', '.join(_undone(run)) or 'nothing'}"
+    print(f"duraflow: run {run.status} after {run.attempts} attempts; {done}; "
           f"bodies run more than once: {retried or 'none'}")
+    if run.status not in ("succeeded", "compensated") and run.error:
+        print(f"duraflow: the run's error: {run.error}")
     approved: bool | None = None
     with contextlib.suppress(KeyError):
         wait = run.step(APPROVAL)
         if wait.status == "completed":
             approved = is_approved(wait.result.get("payload"))
-    healthy = run.status == "succeeded" and len(completed) == len(run.steps)
-    return healthy, approved
+    return run, approved
+
+
+def _run_as_expected(run: RunView | None, result: Any, *, failed_for_good: bool) -> bool:
+    """Whether the durable run ended as it should.
+
+    A trip that failed for good must have failed with the mailer's error and
+    had its booking undone; any other must have succeeded with every step
+    completed.
+    """
+    if run is None:
+        return False
+    if failed_for_good:
+        return (run.status == "compensated" and _undone(run) == [BOOK_FLIGHT]
+                and result.failed() and isinstance(result.result, MailerDown))
+    return (bool(result.successful()) and run.status == "succeeded"
+            and all(s.status == "completed" for s in run.steps))
 
 
 def _install_sigterm_handler() -> None:
@@ -265,13 +305,18 @@ def _install_sigterm_handler() -> None:
         signal.signal(signal.SIGTERM, _handler)
 
 
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str,
-             answer: bool | None = True) -> int:
+             answer: bool | None = True, mailer_down: bool = False) -> int:
     """Book one trip and print what happened; return the exit code.
 
     ``answer`` is what the demo replies when the durable agent asks for
     approval: True (approve), False (decline), or None to leave it to a
-    person (``--wait-for-human``).
+    person (``--wait-for-human``). ``mailer_down`` makes the mailer refuse
+    every message of this trip, so that it fails for good after booking.
     """
     in_memory = str(app.conf.broker_url).startswith("memory://")
     with tempfile.TemporaryDirectory(prefix="duraflow-demo-") as tmp, \
@@ -304,11 +349,18 @@ def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str,
         elif start_own_worker:
             worker = stack.enter_context(_worker_process(scratch))
 
-        result = task.delay(user, REQUEST)
-        trip = Trip(result=result, trip_id=str(result.id), worker=worker, timeout=timeout,
+        # The trip's id is chosen here rather than by Celery, so that the mailer can be
+        # told about the trip before any worker gets a chance to run it.
+        trip_id = str(uuid.uuid4())
+        if mailer_down:
+            FlakyMailer(db).go_down_for(trip_id)
+        result = task.apply_async((user, REQUEST), task_id=trip_id)
+        trip = Trip(result=result, trip_id=trip_id, worker=worker, timeout=timeout,
                     deadline=time.monotonic() + timeout)
         print(f"trip {trip.trip_id} for {user}: {REQUEST['origin']} -> "
               f"{REQUEST['destination']} on {REQUEST['date']}")
+        if mailer_down:
+            print("the mailer is down for this trip: every e-mail will be refused")
         if not naive:
             _handle_approval(trip, answer)
         trip.finish(human=not naive and answer is None)
@@ -318,27 +370,34 @@ def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str,
             print(f"result: {result.result['answer']}")
         else:
             print(f"result: {result.state} ({result.result!r})")
-        healthy = bool(result.successful())
-        approved: bool | None = None
-        if not naive:
-            recorded_ok, approved = _print_durable_summary(trip.trip_id)
+        # Only a booked trip reaches the mailer, so only a booked trip can fail for good.
+        failed_for_good = False
+        if naive:
+            healthy = bool(result.successful())
+            expected_charges = 2
+        else:
+            run, approved = _print_durable_summary(trip.trip_id)
+            failed_for_good = mailer_down and bool(approved)
             # A person may answer either way; the demo's own answer must be the one recorded.
-            healthy = healthy and recorded_ok and approved is not None and (
-                answer is None or approved == answer)
+            healthy = (approved is not None and (answer is None or approved == answer)
+                       and _run_as_expected(run, result, failed_for_good=failed_for_good))
+            expected_charges = 1 if approved else 0
+        expected_refunds = 1 if failed_for_good else 0
 
-        charges = db.charges(trip.trip_id)
-        expected = 2 if naive else 1 if approved else 0
-        noun = "charge" if charges == 1 else "charges"
-        ok = charges == expected and healthy
+        charges, refunds = db.charges(trip.trip_id), db.refunds(trip.trip_id)
+        ok = healthy and (charges, refunds) == (expected_charges, expected_refunds)
         if not ok:
             verdict = "UNEXPECTED"
         elif naive:
             verdict = "the retry booked and charged again"
-        elif approved:
+        elif failed_for_good:
+            verdict = "the booking was cancelled and refunded"
+        elif expected_charges:
             verdict = "the retry reused the booking"
         else:
             verdict = "the booking was declined, so nothing was charged"
-        print(f"ledger: {charges} {noun} for this trip (expected {expected}): {verdict}")
+        print(f"ledger: {_plural(charges, 'charge')}, {_plural(refunds, 'refund')} for this "
+              f"trip (expected {expected_charges} and {expected_refunds}): {verdict}")
         return 0 if ok else 1
 
 
@@ -359,6 +418,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="do not answer the approval: print the `celery ... duraflow "
                               "signal` command that does, and wait for someone to run it "
                               "(needs CELERY_BROKER_URL)")
+    parser.add_argument("--mailer-down", action="store_true",
+                        help="make the mailer refuse every e-mail of this trip: the retries "
+                             "run out, the trip fails for good, and the booking is "
+                             "cancelled and refunded (its compensation)")
     parser.add_argument("--no-worker", action="store_true",
                         help="do not start a worker: one is already consuming from "
                              "CELERY_BROKER_URL (e.g. the compose `worker` service)")
@@ -379,6 +442,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.naive and (args.decline or args.wait_for_human):
         parser.error("the naive agent does not ask for approval: --decline and "
                      "--wait-for-human apply to the durable one")
+    if args.mailer_down and args.naive:
+        parser.error("the naive agent has no compensation to show: --mailer-down applies "
+                     "to the durable one")
+    if args.mailer_down and args.decline:
+        parser.error("a declined trip books nothing and sends no e-mail: --mailer-down "
+                     "needs the booking to be approved")
     timeout = args.timeout if args.timeout is not None else (
         600.0 if args.wait_for_human else 60.0)
     answer = None if args.wait_for_human else not args.decline
@@ -390,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _install_sigterm_handler()
     try:
         return run_demo(naive=args.naive, start_own_worker=not args.no_worker,
-                        timeout=timeout, user=args.user, answer=answer)
+                        timeout=timeout, user=args.user, answer=answer,
+                        mailer_down=args.mailer_down)
     except DemoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -11,14 +11,19 @@ A wait for a signal is not a ``with step()`` block, so it has its own entry,
 ``journal.wait(name, asking)``: a ``waiting`` line the first time the run
 reaches it, then ``ran`` in the attempt that received the signal and
 ``cached`` in the attempts that replayed it.
+
+An undo given to a step as ``compensate=`` is wrapped by
+``journal.compensation(step_name, label, undo)``, so that when the library
+calls it (the run failed for good, or was cancelled) it writes a line too,
+under the key the library records it with, ``compensate:<step key>``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from celery_duraflow import get_run
 
@@ -33,6 +38,11 @@ from .planner import (
     is_approved,
 )
 from .services import money
+
+# The library records the undo of the step with key K as the step "compensate:K".
+COMPENSATION_PREFIX = "compensate:"
+
+R = TypeVar("R")
 
 
 class StepLike(Protocol):
@@ -78,6 +88,12 @@ class CallCounter:
 
 def summarize(key: str, result: Any) -> str:
     """A short human description of a step's output."""
+    if key.startswith(COMPENSATION_PREFIX):  # what an undo returned
+        undone = key.removeprefix(COMPENSATION_PREFIX).split("#", 1)[0]
+        if undone == BOOK_FLIGHT:
+            return (f"booking {result['booking_ref']} cancelled, "
+                    f"{money(result['amount_cents'])} refunded")
+        return repr(result)[:60]
     name = key.split("#", 1)[0]
     if name == "plan":
         return f"next: {result['tool']}"
@@ -113,6 +129,8 @@ class Journal:
         self.recorded = dict(recorded or {})
         # Numbers the waits the way the library numbers their keys: approval, approval#2, ...
         self._waits = CallCounter()
+        # The same for the steps given an undo (every step of that name must get one).
+        self._undoable = CallCounter()
 
     @classmethod
     def for_durable_run(cls, db: ExampleDB, trip_id: str, app: Any) -> Journal:
@@ -159,6 +177,30 @@ class Journal:
             raise
         outcome = "cached" if before == "completed" else "ran"
         self._write(entry.key, outcome, summarize(entry.key, entry.result))
+
+    def compensation(self, step_name: str, label: str,
+                     undo: Callable[[Any], R]) -> Callable[[Any], R]:
+        """``undo``, made to write a trace line (``label`` first) each time it is called.
+
+        Pass the result as ``compensate=`` to the step named ``step_name``,
+        and do so for every step of that name: the journal numbers them the
+        way the library numbers their keys (``book_flight``, ``book_flight#2``,
+        ...) to name the line as the library names the undo's record. The
+        line is ``ran``, or ``failed`` with the error, which is re-raised so
+        that the library tries the undo again.
+        """
+        key = COMPENSATION_PREFIX + self._undoable.next(step_name).key
+
+        def undo_and_record(result: Any) -> R:
+            try:
+                outcome = undo(result)
+            except Exception as exc:
+                self._write(key, "failed", f"{label}: {type(exc).__name__}: {exc}")
+                raise
+            self._write(key, "ran", f"{label}: {summarize(key, outcome)}")
+            return outcome
+
+        return undo_and_record
 
     def _write(self, key: str, outcome: str, detail: str) -> None:
         self.db.add_trace(self.trip_id, TraceRow(self.attempt, key, outcome, detail))

@@ -2,8 +2,11 @@
 
 Both keep their state in the database (see :mod:`example_project.db`), not in
 memory, so what they did survives the process: the demo can count the charges
-after a real worker process did the booking, and the mailer remembers that it
-already failed once for a trip even when the retry runs in another process.
+and refunds after a real worker process did the booking, and the mailer
+remembers that it already failed once for a trip even when the retry runs in
+another process. That is also how the demo tells the mailer to refuse every
+message of one trip (``--mailer-down``): a row in a table, which the worker
+sees wherever it runs.
 """
 
 from __future__ import annotations
@@ -37,6 +40,11 @@ class Booking(TypedDict):
     amount_cents: int
 
 
+class Refund(TypedDict):
+    booking_ref: str
+    amount_cents: int
+
+
 class Receipt(TypedDict):
     to: str
     message_id: str
@@ -44,6 +52,10 @@ class Receipt(TypedDict):
 
 class MailerDown(Exception):
     """The mail server refused a message: a transient failure, worth a retry."""
+
+
+class UnknownBooking(Exception):
+    """The airline has no booking with this reference for this trip."""
 
 
 def money(cents: int) -> str:
@@ -98,26 +110,78 @@ class FakeAirline:
         return {"booking_ref": row.booking_ref, "flight_id": row.flight_id,
                 "amount_cents": row.amount_cents}
 
+    def cancel(self, booking: Booking, *, trip_id: str) -> Refund:
+        """Cancel ``booking`` (made for ``trip_id``) and refund what was charged for it.
+
+        Idempotent, keyed on the booking reference: cancelling a booking that
+        was cancelled before refunds nothing more and returns the first refund.
+        The amount comes from the ledger, not from ``booking``: the airline
+        gives back what it took. Raises :class:`UnknownBooking` if the trip
+        has no such booking.
+        """
+        ref = booking["booking_ref"]
+        ledger, refunds = self.db.tables.ledger, self.db.tables.refunds
+        charge = (select(ledger.c.amount_cents)
+                  .where(ledger.c.booking_ref == ref, ledger.c.trip_id == trip_id))
+        existing = select(refunds).where(refunds.c.booking_ref == ref)
+        try:
+            with self.db.engine.begin() as conn:
+                amount = conn.execute(charge).scalar()
+                if amount is None:
+                    raise UnknownBooking(f"no booking {ref} for trip {trip_id}")
+                row = conn.execute(existing).first()
+                if row is None:
+                    conn.execute(insert(refunds).values(
+                        booking_ref=ref, trip_id=trip_id, amount_cents=amount,
+                        refunded_at=now()))
+                    row = conn.execute(existing).one()
+        except IntegrityError:
+            # A concurrent cancel of the same booking refunded it first: report that refund.
+            with self.db.engine.connect() as conn:
+                row = conn.execute(existing).one()
+        return {"booking_ref": row.booking_ref, "amount_cents": row.amount_cents}
+
 
 class FlakyMailer:
     """Sends the confirmation e-mail; the first message for each trip bounces.
 
     Every call is logged in the mail_log table, and that log is what decides
     the outcome, so "the first call fails" holds across processes and retries.
+    A trip listed in the mail_outages table (see :meth:`go_down_for`) gets
+    every message refused, so its retries run out.
     """
 
     def __init__(self, db: ExampleDB) -> None:
         self.db = db
 
+    def go_down_for(self, trip_id: str) -> None:
+        """Refuse every message of ``trip_id`` from now on (safe to call twice).
+
+        The demo calls this before it sends the trip to the workers, so the
+        worker that runs the trip, in this process or another, sees it.
+        """
+        outages = self.db.tables.mail_outages
+        listed = select(outages.c.trip_id).where(outages.c.trip_id == trip_id)
+        try:
+            with self.db.engine.begin() as conn:
+                if conn.execute(listed).first() is None:
+                    conn.execute(insert(outages).values(trip_id=trip_id, since=now()))
+        except IntegrityError:
+            pass  # listed by a concurrent call: that is all we wanted
+
     def send(self, *, trip_id: str, user_id: str, subject: str) -> Receipt:
-        mail_log = self.db.tables.mail_log
+        mail_log, outages = self.db.tables.mail_log, self.db.tables.mail_outages
         earlier = (select(func.count()).select_from(mail_log)
                    .where(mail_log.c.trip_id == trip_id))
+        down = select(outages.c.trip_id).where(outages.c.trip_id == trip_id)
         with self.db.engine.begin() as conn:
             tries = int(conn.execute(earlier).scalar_one())
-            delivered = tries > 0
+            refused_all = conn.execute(down).first() is not None
+            delivered = tries > 0 and not refused_all
             conn.execute(insert(mail_log).values(trip_id=trip_id, user_id=user_id,
                                                  subject=subject, delivered=delivered, at=now()))
+        if refused_all:
+            raise MailerDown(f"mail server is down: refused the message to {user_id}")
         if not delivered:
             raise MailerDown(f"mail server refused the message to {user_id}")
         return {"to": user_id, "message_id": f"msg-{trip_id[:8]}-{tries + 1}"}

@@ -9,6 +9,10 @@ automatically when the mailer fails (it always fails the first time).
   database and only the failed e-mail runs again. The card is charged once.
   Before booking it waits for a person's approval (the ``approval`` signal),
   holding no worker meanwhile; a "no" ends the trip without a booking.
+  The booking step has an undo (``compensate=``): if the trip fails for good
+  after booking (the mailer is still down when the retries run out), the
+  library cancels the booking, which refunds the card, and the run ends
+  ``compensated``.
 * :func:`book_trip_naive` has no steps: the retry starts the loop over, the
   airline sees a second booking request, and the card is charged twice. It
   books without asking: it is only there to show that double charge.
@@ -36,7 +40,7 @@ from .planner import (
     is_approved,
     make_planner,
 )
-from .services import MailerDown, Toolbox, money
+from .services import Booking, MailerDown, Refund, Toolbox, money
 
 # A planner that never says "done" must not loop forever.
 MAX_TURNS = 10
@@ -63,8 +67,12 @@ def _checked(action: Action) -> Action:
     return action
 
 
+# throws=: a trip whose mailer stays down after the last retry is an outcome the agent
+# handles (its booking is undone), not a bug, so the worker logs that failure as expected
+# (one line at INFO) instead of an error with a traceback. The task still fails.
 @app.task(base=DurableTask, bind=True, name="example_project.book_trip",
-          autoretry_for=(MailerDown, StoreUnavailable), **RETRY_OPTIONS)
+          autoretry_for=(MailerDown, StoreUnavailable), throws=(MailerDown,),
+          **RETRY_OPTIONS)
 def book_trip(self: Task, user_id: str, request: TripRequest) -> dict[str, Any]:
     """Book a trip for ``user_id``; every decision and tool call is a durable step."""
     trip_id: str = self.request.id
@@ -74,6 +82,12 @@ def book_trip(self: Task, user_id: str, request: TripRequest) -> dict[str, Any]:
     journal = Journal.for_durable_run(db, trip_id, self.app)
     planner = make_planner(request)
     history: list[Observation] = []
+
+    def cancel_booking(booking: Booking) -> Refund:
+        # The undo of book_flight, called with that step's result. The library calls it
+        # again if it raises, or if the process dies before its end is recorded; the
+        # airline refunds a booking only once, so a second call costs nothing.
+        return tools.airline.cancel(booking, trip_id=trip_id)
 
     for _turn in range(MAX_TURNS):
         # The decision is a step: on a retry the stored choice comes back and the
@@ -105,7 +119,13 @@ def book_trip(self: Task, user_id: str, request: TripRequest) -> dict[str, Any]:
         # The tool call is a step named after the tool. Its idempotency key is the
         # same on every attempt, so even a booking whose result was never recorded
         # (the process died right after the airline answered) is not charged twice.
-        with step(action["tool"]) as s, journal.record(s):
+        # The booking is the one call with an undo: if the run later fails for good (or
+        # is cancelled), the library calls cancel_booking with this step's result, the
+        # booking, and records that call as the step "compensate:book_flight".
+        undo = None
+        if action["tool"] == BOOK_FLIGHT:
+            undo = journal.compensation(BOOK_FLIGHT, "cancel-booking", cancel_booking)
+        with step(action["tool"], compensate=undo) as s, journal.record(s):
             s.result = tools.call(action, trip_id=trip_id, user_id=user_id,
                                   idempotency_key=s.idempotency_key)
         # Read outputs from s.result, never from names bound inside the body:

@@ -5,7 +5,9 @@ empty directory and with an environment that holds little more than PATH, and
 the tests read what it prints and what it left in the database (a SQLite file
 the test chose, or PostgreSQL in the real-services mode). The approval the
 agent waits for is given by the demo itself, or, with ``--wait-for-human``, by
-the test running the real ``celery ... duraflow signal`` command.
+the test running the real ``celery ... duraflow signal`` command. With
+``--mailer-down`` the trip fails for good after booking, and the booking's
+undo cancels it and refunds the card.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from sqlalchemy import create_engine, func, select
 from celery_duraflow import RunView, get_run
 from celery_duraflow._store import close_all_stores
 from example_project.db import ExampleDB, build_tables
+from example_project.journal import COMPENSATION_PREFIX
 from example_project.planner import (
     APPROVAL,
     BOOK_FLIGHT,
@@ -38,7 +41,7 @@ from example_project.planner import (
     ScriptedPlanner,
     is_approved,
 )
-from example_project.services import FakeAirline, Flight
+from example_project.services import FakeAirline, FlakyMailer, Flight, MailerDown, UnknownBooking
 from tests.conftest import drop_tables
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -50,6 +53,11 @@ APPROVED = {"approved": True}
 # Every step of an approved trip, in the order the run first reached them.
 APPROVED_STEP_KEYS = ["plan", SEARCH_FLIGHTS, "plan#2", PICK_BEST, "plan#3", APPROVAL,
                       BOOK_FLIGHT, "plan#4", NOTIFY_USER, "plan#5"]
+UNDO_BOOKING = COMPENSATION_PREFIX + BOOK_FLIGHT
+# With the mailer down: the steps up to the e-mail that never went out, then the undo.
+COMPENSATED_STEP_KEYS = [*APPROVED_STEP_KEYS[:-1], UNDO_BOOKING]
+# The task's max_retries: the e-mail is tried once more than that before the trip fails.
+MAX_RETRIES = 3
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -93,6 +101,19 @@ def _ledger_charges(url: str, example_prefix: str, trip_id: str) -> int:
         with engine.connect() as conn:
             return int(conn.execute(select(func.count()).select_from(ledger)
                                     .where(ledger.c.trip_id == trip_id)).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def _refunded(url: str, example_prefix: str, trip_id: str) -> list[tuple[str, int]]:
+    """The (booking reference, amount) of every refund of a trip, read from the database."""
+    refunds = build_tables(example_prefix).refunds
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(select(refunds.c.booking_ref, refunds.c.amount_cents)
+                                .where(refunds.c.trip_id == trip_id))
+            return [(ref, amount) for ref, amount in rows]
     finally:
         engine.dispose()
 
@@ -155,6 +176,39 @@ def _check_approved_run(run: RunView | None) -> None:
     assert run.step(NOTIFY_USER).attempts == 2
 
 
+def _check_compensated_trace(trace: list[tuple[int, str, str]]) -> None:
+    """Attempt 1 waits, 2 books, every attempt fails to e-mail, the last one undoes the booking."""
+    last = 2 + MAX_RETRIES
+    assert _outcomes(trace, APPROVAL) == [(1, "waiting"), (2, "ran"),
+                                          *((a, "cached") for a in range(3, last + 1))]
+    assert _outcomes(trace, BOOK_FLIGHT) == [(2, "ran"),
+                                             *((a, "cached") for a in range(3, last + 1))]
+    assert _outcomes(trace, NOTIFY_USER) == [(a, "failed") for a in range(2, last + 1)]
+    assert _outcomes(trace, UNDO_BOOKING) == [(last, "ran")]
+    assert trace[-1][1] == UNDO_BOOKING  # the undo runs after the last failure
+    _check_replays(trace)
+    assert max(attempt for attempt, _, _ in trace) == last
+
+
+def _check_compensated_run(run: RunView | None) -> str:
+    """The store's side of a trip whose mailer was down; returns the booking's reference."""
+    assert run is not None and run.status == "compensated", run
+    assert [s.key for s in run.steps] == COMPENSATED_STEP_KEYS
+    assert _approval_payload(run) == APPROVED
+    failed = [s.key for s in run.steps if s.status != "completed"]
+    assert failed == [NOTIFY_USER]
+    assert run.step(NOTIFY_USER).attempts == 1 + MAX_RETRIES
+    assert run.error is not None and "MailerDown" in run.error
+    booking = run.step(BOOK_FLIGHT)
+    assert booking.attempts == 1
+    undo = run.step(UNDO_BOOKING)
+    assert undo.status == "completed" and undo.attempts == 1
+    assert undo.result == {"booking_ref": booking.result["booking_ref"],
+                           "amount_cents": booking.result["amount_cents"]}
+    ref: str = booking.result["booking_ref"]
+    return ref
+
+
 def _check_naive_trace(trace: list[tuple[int, str, str]]) -> None:
     assert _outcomes(trace, BOOK_FLIGHT) == [(1, "ran"), (2, "ran")]
     assert _outcomes(trace, NOTIFY_USER) == [(1, "failed"), (2, "ran")]
@@ -174,8 +228,10 @@ def test_embedded_demo_charges_once_and_replays_cached_steps(tmp_path: Path) -> 
     assert (f"celery -A example_project.app duraflow signal {trip_id} approval "
             "'{\"approved\": true}'") in result.stdout
     assert "approved: sent signal 'approval'" in result.stdout
-    assert "ledger: 1 charge for this trip (expected 1)" in result.stdout, _explain(result)
+    assert ("ledger: 1 charge, 0 refunds for this trip (expected 1 and 0): "
+            "the retry reused the booking") in result.stdout, _explain(result)
     assert "in-process worker, memory:// broker" in result.stdout
+    assert "mailer is down" not in result.stdout
     assert "duraflow: run succeeded after 3 attempts" in result.stdout
     _check_durable_trace(_trace(result.stdout))
     assert list(tmp_path.iterdir()) == []  # its SQLite file lived in a temporary directory
@@ -202,7 +258,8 @@ def test_embedded_demo_decline_books_nothing(tmp_path: Path) -> None:
     result = _run_demo("--decline", cwd=workdir, env=_env(DURAFLOW_DATABASE_URL=url))
     assert result.returncode == 0, _explain(result)
     assert "declined: sent signal 'approval'" in result.stdout, _explain(result)
-    assert "ledger: 0 charges for this trip (expected 0)" in result.stdout, _explain(result)
+    assert ("ledger: 0 charges, 0 refunds for this trip (expected 0 and 0)"
+            in result.stdout), _explain(result)
     trace = _trace(result.stdout)
     assert _outcomes(trace, APPROVAL) == [(1, "waiting"), (2, "ran")]
     assert _outcomes(trace, BOOK_FLIGHT) == [] and _outcomes(trace, NOTIFY_USER) == []
@@ -221,8 +278,38 @@ def test_naive_demo_charges_the_card_twice(tmp_path: Path) -> None:
     """`--naive` reruns the whole agent on retry: booked and charged twice, exit code 0."""
     result = _run_demo("--naive", cwd=tmp_path, env=_env())
     assert result.returncode == 0, _explain(result)
-    assert "ledger: 2 charges for this trip (expected 2)" in result.stdout, _explain(result)
+    assert ("ledger: 2 charges, 0 refunds for this trip (expected 2 and 0)"
+            in result.stdout), _explain(result)
     _check_naive_trace(_trace(result.stdout))
+
+
+def test_embedded_demo_mailer_down_cancels_and_refunds_the_booking(tmp_path: Path) -> None:
+    """`--mailer-down`: the retries run out, the run is compensated, the card refunded once."""
+    url = f"sqlite:///{tmp_path / 'demo.sqlite3'}"
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    result = _run_demo("--mailer-down", cwd=workdir, env=_env(DURAFLOW_DATABASE_URL=url))
+    assert result.returncode == 0, _explain(result)
+    trip_id = _trip_id(result.stdout)
+    assert "the mailer is down for this trip" in result.stdout, _explain(result)
+    assert "result: FAILURE (MailerDown(" in result.stdout, _explain(result)
+    assert (f"duraflow: run compensated after {2 + MAX_RETRIES} attempts; undone: book_flight;"
+            in result.stdout), _explain(result)
+    assert ("ledger: 1 charge, 1 refund for this trip (expected 1 and 1): the booking was "
+            "cancelled and refunded") in result.stdout, _explain(result)
+    assert "cancel-booking: booking PNR-" in result.stdout, _explain(result)
+    assert "Traceback" not in result.stderr, _explain(result)  # an expected failure
+    _check_compensated_trace(_trace(result.stdout))
+
+    ref = _check_compensated_run(_recorded_run(url, trip_id))
+    assert _ledger_charges(url, "example_", trip_id) == 1
+    db = ExampleDB(url)
+    try:
+        assert (db.charges(trip_id), db.refunds(trip_id)) == (1, 1)
+    finally:
+        db.dispose()
+    [(refunded_ref, amount)] = _refunded(url, "example_", trip_id)
+    assert refunded_ref == ref and amount > 0
 
 
 @pytest.mark.parametrize(("args", "complaint"), [
@@ -230,7 +317,10 @@ def test_naive_demo_charges_the_card_twice(tmp_path: Path) -> None:
     (["--wait-for-human"], "CELERY_BROKER_URL"),
     (["--naive", "--decline"], "naive agent does not ask for approval"),
     (["--decline", "--wait-for-human"], "not allowed with argument"),
-], ids=["no-worker", "wait-for-human", "naive-decline", "decline-and-wait"])
+    (["--mailer-down", "--naive"], "naive agent has no compensation"),
+    (["--mailer-down", "--decline"], "declined trip books nothing"),
+], ids=["no-worker", "wait-for-human", "naive-decline", "decline-and-wait",
+        "mailer-down-naive", "mailer-down-decline"])
 def test_flags_that_cannot_work_are_refused(tmp_path: Path, args: list[str],
                                             complaint: str) -> None:
     """With the in-memory broker no other process can reach the run: a usage error, no hang."""
@@ -299,6 +389,31 @@ def test_demo_against_postgres_redis_and_a_worker_process(
 @pytest.mark.postgres
 @pytest.mark.redis
 @pytest.mark.subprocess
+def test_mailer_down_against_postgres_redis_and_a_worker_process(
+        tmp_path: Path, services_env: dict[str, str]) -> None:
+    """`--mailer-down` through Redis and a prefork worker: compensated, 1 charge, 1 refund."""
+    result = _run_demo("--mailer-down", cwd=tmp_path, env=services_env)
+    assert result.returncode == 0, _explain(result)
+    assert "`celery -A example_project.app worker` (prefork x2)" in result.stdout
+    assert "worker exited with code" not in result.stderr, _explain(result)
+    assert "result: FAILURE (MailerDown(" in result.stdout, _explain(result)
+    assert ("ledger: 1 charge, 1 refund for this trip (expected 1 and 1)"
+            in result.stdout), _explain(result)
+    _check_compensated_trace(_trace(result.stdout))
+
+    trip_id = _trip_id(result.stdout)
+    url = services_env["DURAFLOW_DATABASE_URL"]
+    example_prefix = services_env["EXAMPLE_TABLE_PREFIX"]
+    ref = _check_compensated_run(
+        _recorded_run(url, trip_id, services_env["DURAFLOW_TABLE_PREFIX"]))
+    assert _ledger_charges(url, example_prefix, trip_id) == 1
+    [(refunded_ref, _amount)] = _refunded(url, example_prefix, trip_id)
+    assert refunded_ref == ref
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.subprocess
 def test_wait_for_human_is_answered_with_the_celery_command(
         tmp_path: Path, services_env: dict[str, str]) -> None:
     """`--wait-for-human`: the run waits until `celery ... duraflow signal` approves it."""
@@ -346,7 +461,7 @@ def test_wait_for_human_is_answered_with_the_celery_command(
             proc.wait()
     output = "".join(seen) + rest
     assert returncode == 0, output
-    assert "ledger: 1 charge for this trip (expected 1)" in output, output
+    assert "ledger: 1 charge, 0 refunds for this trip (expected 1 and 0)" in output, output
     assert "worker exited with code" not in output, output
     _check_durable_trace(_trace(output))
     assert _ledger_charges(url, services_env["EXAMPLE_TABLE_PREFIX"], trip_id) == 1
@@ -374,6 +489,45 @@ def test_fake_airline_deduplicates_by_idempotency_key_only(tmp_path: Path) -> No
         for _ in range(2):
             airline.book(trip_id="t2", user_id="u", flight=_flight(), idempotency_key=None)
         assert db.charges("t2") == 2
+    finally:
+        db.dispose()
+
+
+def test_fake_airline_cancel_refunds_a_booking_once(tmp_path: Path) -> None:
+    """Cancelling a booking refunds what was charged; cancelling it again refunds nothing."""
+    db = ExampleDB(f"sqlite:///{tmp_path / 'airline.sqlite3'}")
+    try:
+        db.create_tables()
+        airline = FakeAirline(db)
+        booking = airline.book(trip_id="t1", user_id="u", flight=_flight(), idempotency_key="k1")
+        refund = airline.cancel(booking, trip_id="t1")
+        assert refund == {"booking_ref": booking["booking_ref"],
+                          "amount_cents": _flight()["price_cents"]}
+        assert airline.cancel(booking, trip_id="t1") == refund
+        assert (db.charges("t1"), db.refunds("t1")) == (1, 1)
+        with pytest.raises(UnknownBooking):
+            airline.cancel(booking, trip_id="another trip")
+        with pytest.raises(UnknownBooking):
+            airline.cancel({**booking, "booking_ref": "PNR-NOPE"}, trip_id="t1")
+        assert db.refunds("another trip") == 0 and db.refunds("t1") == 1
+    finally:
+        db.dispose()
+
+
+def test_flaky_mailer_refuses_everything_for_a_trip_it_is_down_for(tmp_path: Path) -> None:
+    """The first message of a trip bounces; every message of a trip listed as down does."""
+    db = ExampleDB(f"sqlite:///{tmp_path / 'mailer.sqlite3'}")
+    try:
+        db.create_tables()
+        mailer = FlakyMailer(db)
+        mailer.go_down_for("down")
+        mailer.go_down_for("down")  # a second listing changes nothing
+        for _ in range(3):
+            with pytest.raises(MailerDown, match="mail server is down"):
+                mailer.send(trip_id="down", user_id="u", subject="s")
+        with pytest.raises(MailerDown, match="refused"):
+            mailer.send(trip_id="fine", user_id="u", subject="s")
+        assert mailer.send(trip_id="fine", user_id="u", subject="s")["to"] == "u"
     finally:
         db.dispose()
 
