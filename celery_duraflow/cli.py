@@ -3,22 +3,50 @@
 Registered under Celery's ``celery.commands`` entry point, so the commands run
 with the user's app and configuration. Each command is a thin wrapper around a
 library function that can be called from Python too.
+
+Every command prints errors as one line, ``error: ...``, on stderr and exits
+with status 1; a bad option or argument exits with status 2 (click's usage
+error). Times are printed in UTC.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import json
+import shutil
 import sys
-from typing import Any
+from collections.abc import Sequence
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
+from typing import Any, NoReturn
+from uuid import UUID
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
+from kombu.exceptions import OperationalError as BrokerError
 
+from . import _admin
 from ._config import config_for_app
+from ._operations import cancel as cancel_run
+from ._operations import retry_run
 from ._patched import MARKER_PREFIX
 from ._recovery import recover as recover_runs
 from ._recovery import recover_forever
-from ._store import store_for
+from ._schema import LATEST_VERSION
+from ._store import (
+    FINISHED,
+    RUN_STATUSES,
+    SLEEPING,
+    STEP_COMPLETED,
+    STEP_FAILED,
+    STEP_WAITING,
+    WAITING,
+    RunRecord,
+    Store,
+    store_for,
+)
+from ._view import RunView, StepView, get_run
 from ._waits import send_signal
 from .errors import DuraflowError
 
@@ -67,8 +95,9 @@ def wake(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
     _sweep(ctx, once, interval, limit)
 
 
-def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
+def _fail(message: str) -> NoReturn:
+    """Print ``error: message`` on one line on stderr and exit with status 1."""
+    click.echo("error: " + " ".join(message.split()), err=True)
     sys.exit(1)
 
 
@@ -133,3 +162,504 @@ def patch(ctx: click.Context, name: str, task_name: str | None, limit: int) -> N
         ctx.obj.echo(f"  {run.task_id}  {run.task_name}  {run.status}  "
                      f"started {run.created_at:%Y-%m-%d %H:%M:%S} UTC")
     sys.exit(3)
+
+
+# -- shared helpers of the commands below --------------------------------------------------
+
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+OUTPUT_WIDTH = 60
+
+
+def _duration(ctx: click.Context, param: click.Parameter,
+              value: str | None) -> timedelta | None:
+    """Read ``30s``, ``15m``, ``2h``, ``30d`` (see :func:`_admin.parse_duration`)."""
+    if value is None:
+        return None
+    try:
+        return _admin.parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+
+def _split_statuses(values: Sequence[str]) -> list[str]:
+    return [part.strip().lower() for value in values for part in value.split(",")
+            if part.strip()]
+
+
+def _run_statuses(ctx: click.Context, param: click.Parameter, values: Sequence[str]) -> list[str]:
+    try:
+        return _admin.check_statuses(_split_statuses(values))
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+
+def _prunable_statuses(ctx: click.Context, param: click.Parameter,
+                       values: Sequence[str]) -> list[str]:
+    chosen = _split_statuses(values)
+    unfinished = [status for status in chosen if status in _admin.UNFINISHED]
+    if unfinished:
+        raise click.BadParameter(
+            f"{', '.join(unfinished)}: prune only deletes runs that have ended "
+            f"({', '.join(_admin.PRUNABLE)})", ctx=ctx, param=param)
+    try:
+        return _admin.check_statuses(chosen, _admin.PRUNABLE)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+
+def _store(ctx: click.Context) -> Store:
+    """The store of the app the command runs with (``celery -A proj``)."""
+    return store_for(config_for_app(ctx.obj.app))
+
+
+def _when(moment: datetime | None) -> str:
+    return moment.strftime(TIME_FORMAT) if moment is not None else "-"
+
+
+def _age(moment: datetime, now: datetime) -> str:
+    """How long ago, in the largest whole unit: ``12s ago``, ``5m ago``, ``3d ago``."""
+    seconds = int((now - moment).total_seconds())
+    if seconds < 1:
+        return "just now"
+    for unit, size in (("d", 86_400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit} ago"
+    return f"{seconds}s ago"
+
+
+def _span(elapsed: timedelta) -> str:
+    """A duration for people: ``85ms``, ``4.2s``, ``3m05s``, ``2h10m``, ``3d4h``."""
+    seconds = elapsed.total_seconds()
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = int(seconds)
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    if whole < 86_400:
+        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
+    return f"{whole // 86_400}d{whole % 86_400 // 3600}h"
+
+
+def _duration_text(duration: timedelta) -> str:
+    """A duration as the options take it: ``30d``, ``1h30m``, ``0s``."""
+    seconds = int(duration.total_seconds())
+    parts = []
+    for unit, size in (("d", 86_400), ("h", 3600), ("m", 60), ("s", 1)):
+        if seconds >= size:
+            parts.append(f"{seconds // size}{unit}")
+            seconds %= size
+    return "".join(parts) or "0s"
+
+
+def _json_default(value: Any) -> Any:
+    """What ``json.dumps`` writes for values JSON has no type for."""
+    if isinstance(value, datetime | date | time):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=repr)
+    if isinstance(value, Decimal | UUID):
+        return str(value)
+    return repr(value)
+
+
+def _print_json(ctx: click.Context, data: Any) -> None:
+    ctx.obj.echo(json.dumps(data, indent=2, default=_json_default))
+
+
+def _clip(text: str, width: int) -> str:
+    """``text`` on one line, cut to ``width`` characters with ``...`` when longer."""
+    line = " ".join(text.split())
+    if len(line) <= width:
+        return line
+    return line[:max(width - 3, 0)] + "..." if width > 3 else line[:width]
+
+
+def _terminal_width() -> int | None:
+    """The terminal's width (or ``$COLUMNS``); None when there is neither: nothing is cut."""
+    columns = shutil.get_terminal_size((0, 0)).columns
+    return columns or None
+
+
+def _fit(widths: list[int], limit: int, shrink: Sequence[int]) -> tuple[list[int], bool]:
+    """Narrow the ``shrink`` columns (to 10 at least) towards ``limit``; and do they fit?"""
+    fitted = list(widths)
+    excess = sum(fitted) + 2 * (len(fitted) - 1) - limit
+    for i in shrink:
+        cut = max(0, min(excess, fitted[i] - min(fitted[i], 10)))
+        fitted[i] -= cut
+        excess -= cut
+    return fitted, excess <= 0
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *,
+           shrink: Sequence[int] = (), drop: Sequence[int] = ()) -> list[str]:
+    """Aligned columns that fit the terminal.
+
+    When the columns are too wide, the ``shrink`` columns are cut first, then
+    the ``drop`` columns are left out, in that order, until the rest fits (or
+    nothing more can be left out).
+    """
+    widths = [max([len(header), *(len(row[i]) for row in rows)])
+              for i, header in enumerate(headers)]
+    keep = list(range(len(headers)))
+    limit = _terminal_width()
+    if limit is not None:
+        for dropped in range(len(drop) + 1):
+            keep = [i for i in range(len(headers)) if i not in drop[:dropped]]
+            fitted, fits = _fit([widths[i] for i in keep], limit,
+                                [keep.index(i) for i in shrink if i in keep])
+            if fits:
+                break
+        for i, width in zip(keep, fitted, strict=True):
+            widths[i] = width
+    lines = []
+    for row in [headers, *rows]:
+        cells = [_clip(row[i], widths[i]).ljust(widths[i]) for i in keep]
+        lines.append("  ".join(cells).rstrip())
+    return lines
+
+
+def _waits_for(kind: str | None, waiting_for: str | None, wake_at: datetime | None, *,
+               say_no_timeout: bool = False) -> str:
+    """What a sleeping or waiting run waits for, in a few words."""
+    if kind is None:
+        return ""
+    what = f"{kind} {waiting_for!r}" if kind in ("sleep", "signal") else f"{kind} {waiting_for}"
+    if wake_at is not None:
+        return f"{what} until {_when(wake_at)}"
+    return f"{what} (no timeout)" if say_no_timeout and kind != "sleep" else what
+
+
+def _run_note(run: RunRecord) -> str:
+    if run.status in (SLEEPING, WAITING):
+        return _waits_for(run.wait_kind, run.waiting_for, run.wake_at)
+    if run.status not in FINISHED and run.unwinding == "cancel":
+        return "cancel requested"
+    if run.status not in FINISHED and run.unwinding == "failure":
+        return "compensating after a failure"
+    return ""
+
+
+def _run_json(run: RunRecord, **extra: Any) -> dict[str, Any]:
+    """A run's row as JSON, without its stored arguments and result."""
+    data = {field.name: getattr(run, field.name) for field in dataclasses.fields(run)
+            if field.name not in ("args", "args_fingerprint", "result", "serializer")}
+    data.update(extra)
+    return data
+
+
+# -- runs ----------------------------------------------------------------------------------
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.option("--status", "statuses", multiple=True, callback=_run_statuses, metavar="STATUS",
+              cls=CeleryOption, help_group="Filter Options",
+              help="Only runs in this status; repeat the option or separate statuses with "
+                   f"commas ({', '.join(RUN_STATUSES)}).")
+@click.option("--task", "task_name", default=None, metavar="NAME", cls=CeleryOption,
+              help_group="Filter Options", help="Only runs of this task name.")
+@click.option("--older-than", callback=_duration, metavar="DURATION", default=None,
+              cls=CeleryOption, help_group="Filter Options",
+              help="Only runs created more than this long ago (30s, 15m, 2h, 30d).")
+@click.option("--newer-than", callback=_duration, metavar="DURATION", default=None,
+              cls=CeleryOption, help_group="Filter Options",
+              help="Only runs created less than this long ago (30s, 15m, 2h, 30d).")
+@click.option("--limit", type=click.IntRange(min=1), default=50, show_default=True,
+              cls=CeleryOption, help_group="Output Options", help="Most runs listed.")
+@click.option("--json", "as_json", is_flag=True, cls=CeleryOption,
+              help_group="Output Options",
+              help="Print a JSON array, one object per run, with ISO 8601 times.")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def runs(ctx: click.Context, statuses: list[str], task_name: str | None,
+         older_than: timedelta | None, newer_than: timedelta | None, limit: int,
+         as_json: bool) -> None:
+    """List runs, newest first, with how many match per status.
+
+    For each run: its task id and name, status, attempts, steps completed
+    out of those recorded, when it was created and last updated, and what a
+    sleeping or waiting run waits for. Exit status 0, also when no run
+    matches; 1 when the store cannot be read; 2 for a bad option.
+    """
+    filters: dict[str, Any] = {"statuses": statuses, "task_name": task_name,
+                               "older_than": older_than, "newer_than": newer_than}
+    try:
+        store = _store(ctx)
+        found = _admin.summarize_runs(store, limit=limit, **filters)
+        counts = {} if as_json else _admin.count_by_status(store, **filters)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    if as_json:
+        _print_json(ctx, [_run_json(s.run, steps_completed=s.steps_completed,
+                                    steps_total=s.steps_total) for s in found])
+        return
+    if not found:
+        filtered = any(value for value in filters.values())
+        ctx.obj.echo("no runs match these filters" if filtered else "no runs are recorded")
+        return
+    now = datetime.now(UTC)
+    rows = [[s.run.task_id, s.run.task_name, s.run.status, str(s.run.attempts),
+             f"{s.steps_completed}/{s.steps_total}", _when(s.run.created_at),
+             _age(s.run.updated_at, now), _run_note(s.run)] for s in found]
+    headers = ["TASK ID", "TASK", "STATUS", "TRIES", "STEPS", "CREATED (UTC)", "UPDATED",
+               "WAITS FOR"]
+    for line in _table(headers, rows, shrink=(7, 1), drop=(6, 3, 4, 5)):
+        ctx.obj.echo(line)
+    total = sum(counts.values())
+    shown = "all shown" if total <= len(found) else (
+        f"newest {len(found)} shown; --limit shows more")
+    by_status = ", ".join(f"{status} {count}" for status, count in counts.items())
+    ctx.obj.echo(f"{total} run(s) match: {by_status} ({shown})")
+
+
+# -- show ----------------------------------------------------------------------------------
+
+
+def _step_output(view: StepView) -> str:
+    """A step's output (or error) cut to one short line."""
+    if view.status == STEP_FAILED:
+        return _clip(f"error: {view.error or ''}", OUTPUT_WIDTH)
+    if view.status not in (STEP_COMPLETED, STEP_WAITING):
+        return "-"
+    return _value_line(view.result)
+
+
+def _value_line(value: Any) -> str:
+    """A stored value as short one-line JSON (its ``repr`` if JSON cannot hold it)."""
+    try:
+        text = json.dumps(value, default=_json_default, ensure_ascii=False)
+    except ValueError:  # a value that contains itself
+        text = repr(value)
+    return _clip(text, OUTPUT_WIDTH)
+
+
+def _step_span(view: StepView) -> str:
+    if view.completed_at is None:
+        return "-"
+    return _span(view.completed_at - view.started_at)
+
+
+def _show_json(run: RunView, record: RunRecord | None) -> dict[str, Any]:
+    data = dataclasses.asdict(run)
+    data["steps"] = [
+        {**dataclasses.asdict(view),
+         "duration_seconds": (None if view.completed_at is None
+                              else (view.completed_at - view.started_at).total_seconds())}
+        for view in run.steps
+    ]
+    if record is not None:
+        data.update(retries=record.retries, recoveries=record.recoveries,
+                    unwinding=record.unwinding, lease_owner=record.lease_owner,
+                    lease_expires_at=record.lease_expires_at,
+                    interrupted=record.interrupted)
+    return data
+
+
+def _show_header(run: RunView, record: RunRecord | None) -> list[tuple[str, str]]:
+    status = run.status
+    waits = _waits_for(run.wait_kind, run.waiting_for, run.wake_at, say_no_timeout=True)
+    if waits:
+        status += f": waits for {waits}"
+    if record is not None and run.status not in FINISHED and record.unwinding:
+        status += (", cancel requested" if record.unwinding == "cancel"
+                   else ", compensating after a failure")
+    attempts = str(run.attempts)
+    if record is not None:
+        attempts += f" (retries {record.retries}, recoveries {record.recoveries})"
+    lines = [("task id", run.task_id), ("task", run.task_name), ("status", status),
+             ("attempts", attempts), ("created", _when(run.created_at)),
+             ("updated", _when(run.updated_at)), ("finished", _when(run.finished_at))]
+    if record is not None and record.lease_owner:
+        lines.append(("lease", f"{record.lease_owner} until {_when(record.lease_expires_at)}"))
+    if run.status == "succeeded":
+        lines.append(("result", _value_line(run.result)))
+    lines += [("error", _clip(run.error, 200) if run.error else "-"),
+              ("parent", run.parent_id or "-"),
+              ("code", run.code_fingerprint[:16] if run.code_fingerprint else "-")]
+    return lines
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.argument("task_id")
+@click.option("--json", "as_json", is_flag=True, cls=CeleryOption,
+              help_group="Output Options",
+              help="Print the run and all its steps, with their outputs, as JSON.")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
+    """Show run TASK_ID and its steps in the order they first started.
+
+    The timeline includes compensation records (compensate:KEY) and patch
+    markers (patched:NAME). Step outputs are printed cut to one short line
+    (whole with --json); they may hold personal data. Exit status 0; 1 when
+    no run has that task id or the store cannot be read.
+    """
+    app = ctx.obj.app
+    try:
+        run = get_run(task_id, app=app)
+        record = _store(ctx).get_run(task_id) if run is not None else None
+    except DuraflowError as exc:
+        _fail(str(exc))
+    if run is None:
+        _fail(f"no run with task id {task_id} is recorded")
+    if as_json:
+        _print_json(ctx, _show_json(run, record))
+        return
+    header = _show_header(run, record)
+    label_width = max(len(label) for label, _ in header)
+    for label, value in header:
+        ctx.obj.echo(f"{label.ljust(label_width)}  {value}")
+    ctx.obj.echo("")
+    if not run.steps:
+        ctx.obj.echo("no steps recorded")
+        return
+    ctx.obj.echo(f"{len(run.steps)} step(s), in the order they first started (times UTC):")
+    rows = [[view.key, view.status, str(view.attempts), _step_span(view), _when(view.started_at),
+             _when(view.completed_at), _step_output(view)] for view in run.steps]
+    headers = ["KEY", "STATUS", "TRIES", "DURATION", "STARTED", "COMPLETED", "OUTPUT"]
+    for line in _table(headers, rows, shrink=(6, 0), drop=(5, 2, 4)):
+        ctx.obj.echo(line)
+
+
+# -- cancel and retry ----------------------------------------------------------------------
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.argument("task_id")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def cancel(ctx: click.Context, task_id: str) -> None:
+    """Ask run TASK_ID to stop.
+
+    A running run stops before its next step (its worker learns of it when
+    it renews its lease); a sleeping or waiting run is sent at once. Either
+    way the compensations of its completed steps run and it ends cancelled.
+    Exit status 0 when the cancellation was requested, and also when the run
+    had already ended (nothing is changed then); 1 when no run has that task
+    id or the store or the broker cannot be reached.
+    """
+    app = ctx.obj.app
+    try:
+        requested = cancel_run(task_id, app=app)
+        record = None if requested else _store(ctx).get_run(task_id)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    except BrokerError as exc:
+        _fail(f"cancellation of {task_id} is recorded, but the broker could not be reached to "
+              f"send the run ({exc}); the recovery sweep (duraflow recover) sends it")
+    if requested:
+        ctx.obj.echo(f"cancellation requested for {task_id}: it stops before its next step, "
+                     "its completed steps are compensated and it ends cancelled")
+    else:
+        status = record.status if record is not None else "unknown"
+        ctx.obj.echo(f"run {task_id} already ended ({status}); nothing was cancelled")
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.argument("task_id")
+@click.option("--from-step", "from_step", metavar="KEY", default=None, cls=CeleryOption,
+              help_group="Retry Options",
+              help="Run this step, the steps nested in it and every later step again "
+                   "(their recorded outcomes are discarded).")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def retry(ctx: click.Context, task_id: str, from_step: str | None) -> None:
+    """Send the ended run TASK_ID again, under the same task id.
+
+    Its completed steps are answered from the store and not run again,
+    unless --from-step names the first one that must run again. A
+    compensated run needs --from-step. Exit status 0 when the run was sent;
+    1 when it is unknown, has not ended, has no step KEY, or the store or the
+    broker cannot be reached.
+    """
+    app = ctx.obj.app
+    try:
+        run = retry_run(task_id, from_step=from_step, app=app)
+    except (DuraflowError, ValueError) as exc:
+        _fail(str(exc))
+    except BrokerError as exc:
+        _fail(f"run {task_id} was reset for a retry, but the broker could not be reached to "
+              f"send it ({exc}); the recovery sweep (duraflow recover) sends it")
+    if from_step is None:
+        ctx.obj.echo(f"run {task_id} ({run.task_name}) sent again; its completed steps will "
+                     "not run again")
+    else:
+        ctx.obj.echo(f"run {task_id} ({run.task_name}) sent again from step {from_step!r}: "
+                     "that step and every later one run again")
+
+
+# -- prune and migrate ---------------------------------------------------------------------
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.option("--older-than", callback=_duration, metavar="DURATION", required=True,
+              cls=CeleryOption, help_group="Prune Options",
+              help="Delete runs last updated more than this long ago (30s, 15m, 2h, 30d).")
+@click.option("--status", "statuses", multiple=True, callback=_prunable_statuses,
+              metavar="STATUS", cls=CeleryOption, help_group="Prune Options",
+              help="Only runs in this status; repeat the option or separate statuses with "
+                   f"commas ({', '.join(_admin.PRUNABLE)}; default: all of them).")
+@click.option("--batch-size", type=click.IntRange(1, _admin.MAX_BATCH_SIZE), default=1000,
+              show_default=True, cls=CeleryOption, help_group="Prune Options",
+              help="Runs deleted per transaction.")
+@click.option("--dry-run", is_flag=True, cls=CeleryOption, help_group="Prune Options",
+              help="Count what would be deleted and delete nothing.")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def prune(ctx: click.Context, older_than: timedelta, statuses: list[str], batch_size: int,
+          dry_run: bool) -> None:
+    """Delete ended runs, with their steps and signals, last updated before --older-than.
+
+    Only runs that succeeded, failed, were compensated or were cancelled are
+    deleted; a run that is running, sleeping or waiting never is, however old,
+    nor a child run whose parent has not ended. Each batch is one transaction.
+    Exit status 0; 1 when the store cannot be reached; 2 for a bad option
+    (such as a status of a run that has not ended).
+    """
+    chosen = statuses or list(_admin.PRUNABLE)
+    try:
+        store = _store(ctx)
+        if dry_run:
+            run_count, step_count = _admin.count_prunable(store, older_than=older_than,
+                                                          statuses=chosen)
+        else:
+            run_count, step_count = _admin.prune(store, older_than=older_than,
+                                                 statuses=chosen, batch_size=batch_size)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    scope = f"{', '.join(chosen)} runs last updated more than {_duration_text(older_than)} ago"
+    if dry_run:
+        ctx.obj.echo(f"would prune {run_count} run(s) ({step_count} steps): {scope}; "
+                     "nothing was deleted (--dry-run)")
+    else:
+        ctx.obj.echo(f"pruned {run_count} run(s) ({step_count} steps): {scope}")
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def migrate(ctx: click.Context) -> None:
+    """Apply the pending schema migrations now.
+
+    For deployments that set duraflow_auto_migrate = False and migrate as a
+    deployment step. Safe to run from several processes at once. Exit status
+    0 when the schema is up to date afterwards; 1 when the store cannot be
+    reached.
+    """
+    try:
+        store = _store(ctx)
+        applied = store.migrate()
+    except DuraflowError as exc:
+        _fail(str(exc))
+    prefix = store.config.table_prefix
+    if applied:
+        ctx.obj.echo(f"applied schema migration(s) {', '.join(map(str, applied))} to the "
+                     f"{prefix}* tables; the schema is at version {LATEST_VERSION}")
+    else:
+        ctx.obj.echo(f"schema is up to date (version {LATEST_VERSION})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -101,6 +102,56 @@ def test_patch_lists_the_runs_that_may_take_the_old_branch(pg_url: str,
         done = patch_command()
         assert done.returncode == 0, done.stderr
         assert "the old branch can go" in done.stdout
+    finally:
+        store.close()
+        close_all_stores()
+        drop_tables(pg_url, table_prefix)
+
+
+@pytest.mark.postgres
+@pytest.mark.subprocess
+def test_runs_and_show_as_real_commands(pg_url: str, table_prefix: str) -> None:
+    """`duraflow runs --json` and `duraflow show` in a real `celery` process."""
+    store = Store(load_config({"duraflow_database_url": pg_url,
+                               "duraflow_table_prefix": table_prefix}, environ={}))
+    done, waiting = f"done-{uuid.uuid4()}", f"waiting-{uuid.uuid4()}"
+    env = {**os.environ, "PROJ_BROKER_URL": "redis://127.0.0.1:1/0", "PROJ_DATABASE_URL": pg_url,
+           "PROJ_TABLE_PREFIX": table_prefix, "COLUMNS": "300"}
+
+    def duraflow(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", *args],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+    try:
+        owner = "some-host|x|1|abc"
+        store.begin_attempt(done, Delivery(task_name="proj.book_trip", owner=owner))
+        assert store.record_step(done, "search", owner, status="completed",
+                                 output='["LHR-101"]', serializer="json",
+                                 started_at=datetime.now(UTC), new=True, position=1)
+        assert store.finish_run(done, owner, "succeeded", result='"ok"', serializer="json")
+        store.begin_attempt(waiting, Delivery(task_name="proj.approve_booking", owner=owner))
+        assert store.suspend(waiting, owner, status="waiting", kind="signal",
+                             waiting_for="approval", wake_at=None, sweep_at=None)
+
+        listed = duraflow("runs", "--json")
+        assert listed.returncode == 0, listed.stderr
+        data = json.loads(listed.stdout)
+        assert [(r["task_id"], r["status"], r["steps_completed"]) for r in data] == [
+            (waiting, "waiting", 0), (done, "succeeded", 1)]
+        assert data[0]["waiting_for"] == "approval"
+
+        shown = duraflow("show", done)
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        assert "status    succeeded" in lines and 'result    "ok"' in lines
+        assert lines[-1].split()[:3] == ["search", "completed", "1"]
+        assert lines[-1].endswith('["LHR-101"]')
+
+        missing = duraflow("show", "no-such-run")
+        assert missing.returncode == 1
+        assert missing.stderr.splitlines() == [
+            "error: no run with task id no-such-run is recorded"]
     finally:
         store.close()
         close_all_stores()

@@ -1,0 +1,285 @@
+"""The queries behind the operator commands: list runs, count them, prune old ones.
+
+Every function takes a :class:`~celery_duraflow._store.Store` and uses
+SQLAlchemy Core on its tables. The listings are written so that the indexes of
+schema version 8 answer them on a table of millions of runs:
+
+* newest first with no status: ``(created_at)``, or ``(task_name, created_at)``
+  with a task name;
+* newest first with statuses: one branch per status on ``(status, created_at)``,
+  each stopping after ``limit`` rows, merged by a ``UNION ALL`` (an ``IN`` list
+  would make PostgreSQL read every run of those statuses and sort them);
+* prune candidates: ``(status, updated_at)``, oldest first, one status at a time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import ColumnElement, Select, delete, exists, func, or_, select, union_all
+
+from ._store import FINISHED, RUN_STATUSES, STEP_COMPLETED, RunRecord, Store
+
+#: What ``prune`` may delete: runs that have ended.
+PRUNABLE = FINISHED
+#: Statuses of runs that have not ended; prune never deletes them.
+UNFINISHED = tuple(status for status in RUN_STATUSES if status not in FINISHED)
+#: The largest prune batch: its task ids are bound parameters of the deletes.
+MAX_BATCH_SIZE = 10_000
+
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
+_DURATION_PART = re.compile(r"(\d+)([smhdw])")
+
+
+def parse_duration(text: str) -> timedelta:
+    """``30s``, ``15m``, ``2h``, ``30d``, ``1w`` or a sum such as ``1h30m``, as a timedelta.
+
+    Raises ``ValueError`` for anything else (a bare number has no unit and is refused).
+    """
+    value = text.strip().lower()
+    parts = _DURATION_PART.findall(value)
+    if not parts or "".join(number + unit for number, unit in parts) != value:
+        raise ValueError(f"{text!r} is not a duration: use a number and a unit (s, m, h, d "
+                         "or w), such as 30s, 15m, 2h or 30d")
+    return timedelta(seconds=sum(int(number) * _UNIT_SECONDS[unit] for number, unit in parts))
+
+
+def check_statuses(statuses: Iterable[str], allowed: Sequence[str] = RUN_STATUSES) -> list[str]:
+    """The statuses without repeats, in the order given; ``ValueError`` for one not allowed."""
+    chosen: list[str] = []
+    for status in statuses:
+        if status not in allowed:
+            raise ValueError(f"{status!r} is not one of {', '.join(allowed)}")
+        if status not in chosen:
+            chosen.append(status)
+    return chosen
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A run as ``runs`` lists it: its row and how many of its steps are recorded."""
+
+    run: RunRecord
+    #: Step rows recorded as completed (patch markers and undo records included).
+    steps_completed: int
+    #: Every step row recorded for the run.
+    steps_total: int
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _filters(store: Store, *, task_name: str | None, older_than: timedelta | None,
+             newer_than: timedelta | None, now: datetime) -> list[ColumnElement[bool]]:
+    runs = store.tables.runs
+    conditions: list[ColumnElement[bool]] = []
+    if task_name is not None:
+        conditions.append(runs.c.task_name == task_name)
+    if older_than is not None:
+        conditions.append(runs.c.created_at < now - older_than)
+    if newer_than is not None:
+        conditions.append(runs.c.created_at >= now - newer_than)
+    return conditions
+
+
+def listing_query(store: Store, *, statuses: Sequence[str] = (), task_name: str | None = None,
+                  older_than: timedelta | None = None, newer_than: timedelta | None = None,
+                  limit: int = 50, now: datetime | None = None) -> Select[Any]:
+    """The newest ``limit`` runs (by ``created_at``) that match, as one SELECT.
+
+    ``older_than`` and ``newer_than`` compare the run's creation time with
+    ``now`` (default: the current time) minus the duration.
+    """
+    runs = store.tables.runs
+    conditions = _filters(store, task_name=task_name, older_than=older_than,
+                          newer_than=newer_than, now=now or _now())
+    chosen = check_statuses(statuses)
+    if len(chosen) <= 1:
+        if chosen:
+            conditions.append(runs.c.status == chosen[0])
+        return (select(runs).where(*conditions).order_by(runs.c.created_at.desc())
+                .limit(limit))
+    branches = [
+        select(runs).where(runs.c.status == status, *conditions)
+        .order_by(runs.c.created_at.desc()).limit(limit).subquery()
+        for status in chosen
+    ]
+    merged = union_all(*(select(branch) for branch in branches)).subquery("matching")
+    return select(merged).order_by(merged.c.created_at.desc()).limit(limit)
+
+
+def list_runs(store: Store, *, statuses: Sequence[str] = (), task_name: str | None = None,
+              older_than: timedelta | None = None, newer_than: timedelta | None = None,
+              limit: int = 50) -> list[RunRecord]:
+    """The newest ``limit`` runs that match the filters, newest first (one query).
+
+    An empty ``statuses`` means every status; ``older_than`` / ``newer_than``
+    keep runs created more / less than that long ago.
+    """
+    query = listing_query(store, statuses=statuses, task_name=task_name,
+                          older_than=older_than, newer_than=newer_than, limit=limit)
+    store.ensure_schema()
+    with store._unavailable("listing runs"), store.engine.connect() as conn:
+        return [RunRecord.from_row(row) for row in conn.execute(query)]
+
+
+def summary_query(store: Store, **filters: Any) -> Select[Any]:
+    """:func:`listing_query` with each run's completed and recorded step counts.
+
+    The counts are subqueries on the steps' primary key, evaluated only for
+    the runs on the page.
+    """
+    steps = store.tables.steps
+    page = listing_query(store, **filters).subquery("page")
+    total = (select(func.count()).select_from(steps)
+             .where(steps.c.task_id == page.c.task_id).scalar_subquery())
+    completed = (select(func.count()).select_from(steps)
+                 .where(steps.c.task_id == page.c.task_id, steps.c.status == STEP_COMPLETED)
+                 .scalar_subquery())
+    return (select(page, completed.label("steps_completed"), total.label("steps_total"))
+            .order_by(page.c.created_at.desc()))
+
+
+def summarize_runs(store: Store, *, statuses: Sequence[str] = (), task_name: str | None = None,
+                   older_than: timedelta | None = None, newer_than: timedelta | None = None,
+                   limit: int = 50) -> list[RunSummary]:
+    """Like :func:`list_runs`, with the step counts of each run, in the same single query."""
+    query = summary_query(store, statuses=statuses, task_name=task_name,
+                          older_than=older_than, newer_than=newer_than, limit=limit)
+    store.ensure_schema()
+    with store._unavailable("listing runs"), store.engine.connect() as conn:
+        return [RunSummary(run=RunRecord.from_row(row),
+                           steps_completed=int(row._mapping["steps_completed"] or 0),
+                           steps_total=int(row._mapping["steps_total"] or 0))
+                for row in conn.execute(query)]
+
+
+def count_by_status(store: Store, *, statuses: Sequence[str] = (), task_name: str | None = None,
+                    older_than: timedelta | None = None,
+                    newer_than: timedelta | None = None) -> dict[str, int]:
+    """How many runs match the filters, per status (statuses with none are left out).
+
+    One ``GROUP BY`` query. Unlike the listing it has no limit, so without a
+    task name it reads an index (or the table) from end to end.
+    """
+    runs = store.tables.runs
+    conditions = _filters(store, task_name=task_name, older_than=older_than,
+                          newer_than=newer_than, now=_now())
+    chosen = check_statuses(statuses)
+    if chosen:
+        conditions.append(runs.c.status.in_(chosen))
+    query = (select(runs.c.status, func.count()).where(*conditions)
+             .group_by(runs.c.status))
+    store.ensure_schema()
+    with store._unavailable("counting runs"), store.engine.connect() as conn:
+        counts = {str(status): int(count) for status, count in conn.execute(query)}
+    # In the order of the run statuses, not the database's.
+    ordered = {status: counts.pop(status) for status in RUN_STATUSES if status in counts}
+    ordered.update(counts)
+    return ordered
+
+
+# -- pruning -------------------------------------------------------------------------------
+
+
+def _prunable(statuses: Iterable[str]) -> list[str]:
+    chosen = list(statuses)
+    unfinished = [status for status in chosen if status in UNFINISHED]
+    if unfinished:
+        raise ValueError(f"{', '.join(unfinished)}: prune only deletes runs that have ended "
+                         f"({', '.join(PRUNABLE)})")
+    return check_statuses(chosen, PRUNABLE) or list(PRUNABLE)
+
+
+def _may_go(store: Store) -> ColumnElement[bool]:
+    """False for a child run whose parent has not ended: the parent may still read it.
+
+    Written as ``parent_id IS NULL OR NOT EXISTS (...)`` so that the check is a
+    primary-key lookup made only for child runs, never a join over all runs.
+    """
+    runs = store.tables.runs
+    parent = runs.alias("parent")
+    return or_(runs.c.parent_id.is_(None),
+               ~exists().where(parent.c.task_id == runs.c.parent_id,
+                               parent.c.status.in_(UNFINISHED)))
+
+
+def prune_candidates_query(store: Store, *, status: str, cutoff: datetime,
+                           batch_size: int) -> Select[Any]:
+    """The task ids of the next batch to prune for one status, oldest update first.
+
+    On PostgreSQL the rows are locked (``FOR UPDATE SKIP LOCKED``) until the
+    batch's transaction ends, so that a concurrent retry cannot bring a run
+    back to life between the moment it is chosen and its deletion.
+    """
+    runs = store.tables.runs
+    query = (select(runs.c.task_id)
+             .where(runs.c.status == status, runs.c.updated_at < cutoff,
+                    _may_go(store))
+             .order_by(runs.c.updated_at)
+             .limit(batch_size))
+    if store.dialect == "postgresql":
+        query = query.with_for_update(skip_locked=True, of=runs)
+    return query
+
+
+def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUNABLE,
+          batch_size: int = 1000) -> tuple[int, int]:
+    """Delete ended runs last updated more than ``older_than`` ago; (runs, steps) deleted.
+
+    Only runs in ``statuses`` (each one of ``succeeded``, ``failed``,
+    ``compensated``, ``cancelled``; ``ValueError`` for another) are deleted,
+    with their steps and signals, and never a child run whose parent has not
+    ended. Each batch of at most ``batch_size`` runs is one transaction: choose
+    the task ids, delete their steps, their signals, then the runs.
+    """
+    chosen = _prunable(statuses)
+    if not 1 <= batch_size <= MAX_BATCH_SIZE:
+        raise ValueError(f"batch_size must be between 1 and {MAX_BATCH_SIZE}, got {batch_size}")
+    tables = store.tables
+    runs, steps, signals = tables.runs, tables.steps, tables.signals
+    cutoff = _now() - older_than
+    runs_deleted = steps_deleted = 0
+    store.ensure_schema()
+    engine = store._transactional()
+    for status in chosen:
+        candidates = prune_candidates_query(store, status=status, cutoff=cutoff,
+                                            batch_size=batch_size)
+        while True:
+            with store._unavailable("pruning runs"), engine.begin() as conn:
+                task_ids = list(conn.execute(candidates).scalars())
+                if task_ids:
+                    steps_deleted += conn.execute(
+                        delete(steps).where(steps.c.task_id.in_(task_ids))).rowcount
+                    conn.execute(delete(signals).where(signals.c.task_id.in_(task_ids)))
+                    runs_deleted += conn.execute(
+                        delete(runs).where(runs.c.task_id.in_(task_ids),
+                                           runs.c.status == status)).rowcount
+            if len(task_ids) < batch_size:
+                break
+    return runs_deleted, steps_deleted
+
+
+def count_prunable(store: Store, *, older_than: timedelta,
+                   statuses: Iterable[str] = PRUNABLE) -> tuple[int, int]:
+    """What :func:`prune` would delete now, as (runs, steps); deletes nothing."""
+    chosen = _prunable(statuses)
+    runs, steps = store.tables.runs, store.tables.steps
+    cutoff = _now() - older_than
+    doomed = (select(runs.c.task_id)
+              .where(runs.c.status.in_(chosen), runs.c.updated_at < cutoff,
+                     _may_go(store)))
+    run_count = select(func.count()).select_from(doomed.subquery())
+    step_count = (select(func.count()).select_from(steps)
+                  .where(steps.c.task_id.in_(doomed)))
+    store.ensure_schema()
+    with store._unavailable("counting runs to prune"), store.engine.connect() as conn:
+        doomed_runs = conn.execute(run_count).scalar_one()
+        doomed_steps = conn.execute(step_count).scalar_one()
+    return int(doomed_runs), int(doomed_steps)
+
