@@ -790,10 +790,12 @@ class Store:
                     f"run {task_id} is {run.status}, so it cannot be retried: only a run "
                     "that has ended (failed, compensated, cancelled or succeeded) can. Cancel "
                     "it first if it must stop.", task_id=task_id)
-            undone = conn.execute(select(func.count()).select_from(steps).where(
-                steps.c.task_id == task_id,
-                steps.c.step_key.like(f"{compensation_prefix}%"),
-                steps.c.status == STEP_COMPLETED)).scalar()
+            undone_keys = [row[0].removeprefix(compensation_prefix) for row in conn.execute(
+                select(steps.c.step_key).where(
+                    steps.c.task_id == task_id,
+                    steps.c.step_key.like(f"{compensation_prefix}%"),
+                    steps.c.status == STEP_COMPLETED))]
+            undone = len(undone_keys)
             if undone and from_step is None:
                 raise RunStateError(
                     f"run {task_id} was compensated: {undone} of its steps were undone, so "
@@ -808,6 +810,20 @@ class Store:
                         f"run {task_id} has no step {from_step!r}; `celery -A proj duraflow "
                         f"show {task_id}` lists its steps.", task_id=task_id,
                         step_key=from_step)
+                if undone_keys:
+                    # Every undone step must run again: start no later than the first one.
+                    first = conn.execute(
+                        select(steps.c.step_key, steps.c.started_at)
+                        .where(steps.c.task_id == task_id, steps.c.step_key.in_(undone_keys))
+                        .order_by(steps.c.started_at).limit(1)).first()
+                    chosen_at, first_at = _utc(chosen._mapping["started_at"]), (
+                        _utc(first[1]) if first is not None else None)
+                    if first is not None and chosen_at and first_at and chosen_at > first_at:
+                        raise RunStateError(
+                            f"run {task_id} was compensated: step {first[0]!r} was undone, "
+                            f"and it comes before {from_step!r}, so a retry from there would "
+                            f"replay its recorded output. Retry from {first[0]!r} or an "
+                            "earlier step.", task_id=task_id, step_key=from_step)
                 conn.execute(steps.delete().where(
                     steps.c.task_id == task_id,
                     or_(steps.c.step_key == from_step,

@@ -253,3 +253,20 @@ def test_cancelled_run_without_compensations(make_app: Callable[..., Celery]) ->
         cancel(result.id, app=app)
         run = wait_for_status(app, result.id, "cancelled")
     assert run.error == "cancelled"
+
+
+def test_retry_of_a_compensated_run_must_start_at_an_undone_step(
+        make_app: Callable[..., Celery]) -> None:
+    from celery_duraflow import RunStateError, retry_run
+
+    app = make_app(eager=False)  # the retry is sent to the broker; no worker takes it here
+    undone: list[str] = []
+    result = _booking_task(app, undone, fail=NoSeats("full")).apply()
+    assert get_run(result.id, app=app).status == "compensated"  # type: ignore[union-attr]
+    with pytest.raises(RunStateError, match="were undone"):
+        retry_run(result.id, app=app)
+    with pytest.raises(RunStateError, match="'reserve-seat' was undone"):
+        retry_run(result.id, from_step="send-ticket", app=app)
+    # From the first undone step: accepted, and sent with its retry count started over.
+    rerun = retry_run(result.id, from_step="reserve-seat", app=app)
+    assert rerun.status == "running" and rerun.retries == 0
