@@ -123,7 +123,8 @@ def project(pg_url: str, redis_url: str, table_prefix: str,
 def test_sleep_spans_a_worker_restart_and_wakes_on_time(project: Project) -> None:
     project.start_sweeper(interval=0.2)
     first = project.start_worker()
-    result = project.send("proj.nap", 4.0)
+    # Long enough for a worker restart on a loaded 2-core machine (about 2 to 5 s).
+    result = project.send("proj.nap", 8.0)
     sleeping = project.until(result.id, "sleeping")
     assert sleeping.wait_kind == "sleep" and sleeping.waiting_for == "nap"
     assert sleeping.wake_at is not None
