@@ -11,16 +11,13 @@ error). Times are printed in UTC.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import json
 import shutil
 import sys
 from collections.abc import Sequence
-from datetime import UTC, date, datetime, time, timedelta
-from decimal import Decimal
+from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
-from uuid import UUID
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
@@ -28,6 +25,7 @@ from kombu.exceptions import OperationalError as BrokerError
 
 from . import _admin
 from ._config import config_for_app
+from ._format import json_default, span
 from ._operations import cancel as cancel_run
 from ._operations import retry_run
 from ._patched import MARKER_PREFIX
@@ -227,21 +225,6 @@ def _age(moment: datetime, now: datetime) -> str:
     return f"{seconds}s ago"
 
 
-def _span(elapsed: timedelta) -> str:
-    """A duration for people: ``85ms``, ``4.2s``, ``3m05s``, ``2h10m``, ``3d4h``."""
-    seconds = elapsed.total_seconds()
-    if seconds < 1:
-        return f"{seconds * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    whole = int(seconds)
-    if whole < 3600:
-        return f"{whole // 60}m{whole % 60:02d}s"
-    if whole < 86_400:
-        return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
-    return f"{whole // 86_400}d{whole % 86_400 // 3600}h"
-
-
 def _duration_text(duration: timedelta) -> str:
     """A duration as the options take it: ``30d``, ``1h30m``, ``0s``."""
     seconds = int(duration.total_seconds())
@@ -253,23 +236,8 @@ def _duration_text(duration: timedelta) -> str:
     return "".join(parts) or "0s"
 
 
-def _json_default(value: Any) -> Any:
-    """What ``json.dumps`` writes for values JSON has no type for."""
-    if isinstance(value, datetime | date | time):
-        return value.isoformat()
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode("ascii")
-    if isinstance(value, set | frozenset):
-        return sorted(value, key=repr)
-    if isinstance(value, Decimal | UUID):
-        return str(value)
-    return repr(value)
-
-
 def _print_json(ctx: click.Context, data: Any) -> None:
-    ctx.obj.echo(json.dumps(data, indent=2, default=_json_default))
+    ctx.obj.echo(json.dumps(data, indent=2, default=json_default))
 
 
 def _clip(text: str, width: int) -> str:
@@ -433,7 +401,7 @@ def _step_output(view: StepView) -> str:
 def _value_line(value: Any) -> str:
     """A stored value as short one-line JSON (its ``repr`` if JSON cannot hold it)."""
     try:
-        text = json.dumps(value, default=_json_default, ensure_ascii=False)
+        text = json.dumps(value, default=json_default, ensure_ascii=False)
     except ValueError:  # a value that contains itself
         text = repr(value)
     return _clip(text, OUTPUT_WIDTH)
@@ -442,7 +410,7 @@ def _value_line(value: Any) -> str:
 def _step_span(view: StepView) -> str:
     if view.completed_at is None:
         return "-"
-    return _span(view.completed_at - view.started_at)
+    return span(view.completed_at - view.started_at)
 
 
 def _show_json(run: RunView, record: RunRecord | None) -> dict[str, Any]:
@@ -663,3 +631,31 @@ def migrate(ctx: click.Context) -> None:
                      f"{prefix}* tables; the schema is at version {LATEST_VERSION}")
     else:
         ctx.obj.echo(f"schema is up to date (version {LATEST_VERSION})")
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.option("--host", default="127.0.0.1", show_default=True, cls=CeleryOption,
+              help_group="Web Options",
+              help="Interface to listen on; anything but loopback needs a proxy with TLS.")
+@click.option("--port", type=int, default=8765, show_default=True, cls=CeleryOption,
+              help_group="Web Options", help="Port to listen on.")
+@click.option("--token", envvar="DURAFLOW_WEB_TOKEN", default=None, cls=CeleryOption,
+              help_group="Web Options",
+              help="Secret that visitors type to log in and act (approve, reject, cancel, "
+                   "retry); also read from DURAFLOW_WEB_TOKEN. Without it the view is "
+                   "read-only.")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def web(ctx: click.Context, host: str, port: int, token: str | None) -> None:
+    """Serve a web view of the runs (needs the 'web' extra).
+
+    Runs page, run pages with the step timeline, and Approve / Reject buttons
+    for runs waiting for a signal. Exit status 1 when the extra is missing.
+    """
+    try:
+        from .web import serve
+    except ImportError as exc:
+        _fail(str(exc))
+    mode = "actions need the token" if token else "read-only (no --token)"
+    ctx.obj.echo(f"serving the runs on http://{host}:{port}/ ({mode}); Ctrl-C to stop")
+    serve(ctx.obj.app, host=host, port=port, token=token or None)

@@ -156,3 +156,39 @@ def test_runs_and_show_as_real_commands(pg_url: str, table_prefix: str) -> None:
         store.close()
         close_all_stores()
         drop_tables(pg_url, table_prefix)
+
+
+@pytest.mark.postgres
+@pytest.mark.subprocess
+def test_web_command_serves_the_runs_page(pg_url: str, table_prefix: str) -> None:
+    """`duraflow web` listens on loopback, read-only without a token."""
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PROJ_BROKER_URL": "redis://127.0.0.1:1/0", "PROJ_DATABASE_URL": pg_url,
+           "PROJ_TABLE_PREFIX": table_prefix}
+    env.pop("DURAFLOW_WEB_TOKEN", None)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "web", "--port",
+         str(port)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        page = ""
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as response:
+                    page = response.read().decode()
+                    break
+            except OSError:
+                time.sleep(0.2)
+        assert "read-only" in page.lower(), page[:500]
+    finally:
+        server.terminate()
+        output = server.communicate(timeout=15)[0].decode()
+        close_all_stores()
+        drop_tables(pg_url, table_prefix)
+    assert f"serving the runs on http://127.0.0.1:{port}/ (read-only (no --token))" in output
