@@ -316,3 +316,20 @@ def test_child_must_be_durable(make_app: Callable[..., Celery]) -> None:
 
     outcome = parent.apply().result
     assert isinstance(outcome, TypeError) and "not a DurableTask" in str(outcome)
+
+
+def test_signal_sent_as_a_celery_task(make_app: Callable[..., Celery]) -> None:
+    """A web handler with only a broker at hand sends celery_duraflow.send_signal."""
+    app = _worker_app(make_app)
+
+    @app.task(base=DurableTask)
+    def approve() -> Any:
+        return wait_for_signal("approval")
+
+    with run_worker(app):
+        result = approve.delay()
+        wait_for_status(app, result.id, "waiting")
+        sent = app.send_task("celery_duraflow.send_signal",
+                             args=(result.id, "approval", {"approved": True}))
+        assert sent.get(timeout=RESULT_TIMEOUT) is True
+        assert result.get(timeout=RESULT_TIMEOUT) == {"approved": True}
