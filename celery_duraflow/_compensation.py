@@ -74,6 +74,9 @@ def unwind(ctx: RunContext, run: RunRecord, reason: str, error: str | None) -> s
     else:
         status = CANCELLED if reason == "cancel" else COMPENSATED
         final_error = error if reason != "cancel" else (error or "cancelled")
+    # A wait the run was stopped at will never end now.
+    store.close_waits(ctx.task_id, ctx.owner,
+                      "cancelled while waiting" if reason == "cancel" else "the run failed")
     if not store.finish_run(ctx.task_id, ctx.owner, status, error=final_error):
         raise LeaseLost(f"task {ctx.task_id} lost its lease while compensating",
                         task_id=ctx.task_id)

@@ -617,6 +617,18 @@ class Store:
         with self._write(f"recording the run as {status}", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
 
+    def close_waits(self, task_id: str, owner: str, why: str) -> int:
+        """Mark the waits a run left unended as failed (it ended without them)."""
+        steps, runs = self.tables.steps, self.tables.runs
+        stmt = (
+            update(steps)
+            .where(steps.c.task_id == task_id, steps.c.status == STEP_WAITING,
+                   exists().where(runs.c.task_id == task_id, runs.c.lease_owner == owner))
+            .values(status=STEP_FAILED, error=why, completed_at=_now())
+        )
+        with self._write("closing the run's waits", task_id) as conn:
+            return int(conn.execute(stmt).rowcount or 0)
+
     def begin_unwinding(self, task_id: str, owner: str, reason: str,
                         error: str | None) -> bool:
         """Record, before the first compensation runs, that this run is being unwound.

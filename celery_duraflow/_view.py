@@ -54,6 +54,15 @@ class RunView:
     parent_id: str | None = None
     #: The fingerprint of the task's code when the run started.
     code_fingerprint: str | None = None
+    #: Celery's retry count of the latest delivery, and how often the sweep re-sent the
+    #: run after its worker vanished.
+    retries: int = 0
+    recoveries: int = 0
+    #: "cancel" once cancel() was asked for, "failure" while a failed run is compensated.
+    unwinding: str | None = None
+    #: Who holds the run now (the attempt's process) and until when, if anyone.
+    lease_owner: str | None = None
+    lease_expires_at: datetime | None = None
 
     def step(self, key: str) -> StepView:
         """The step stored under ``key``; ``KeyError`` if there is none."""
@@ -84,7 +93,9 @@ def _run_view(run: RunRecord, steps: list[StepRecord], config: Config) -> RunVie
                    finished_at=run.finished_at,
                    steps=tuple(_step_view(s, config) for s in steps),
                    wait_kind=run.wait_kind, waiting_for=run.waiting_for, wake_at=run.wake_at,
-                   parent_id=run.parent_id, code_fingerprint=run.code_fingerprint)
+                   parent_id=run.parent_id, code_fingerprint=run.code_fingerprint,
+                   retries=run.retries, recoveries=run.recoveries, unwinding=run.unwinding,
+                   lease_owner=run.lease_owner, lease_expires_at=run.lease_expires_at)
 
 
 def get_run(task_id: str, *, app: Any = None) -> RunView | None:

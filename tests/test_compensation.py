@@ -180,6 +180,8 @@ def test_cancel_a_waiting_run(make_app: Callable[..., Celery]) -> None:
     run = get_run(result.id, app=app)
     assert run is not None and run.status == "cancelled"
     assert undone == ["release 3C"]
+    approval = run.step("approval")  # the wait it was stopped at is closed, not left waiting
+    assert (approval.status, approval.error) == ("failed", "cancelled while waiting")
     assert cancel(result.id, app=app) is False  # it has ended
 
 
