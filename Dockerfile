@@ -1,6 +1,6 @@
 # Image for the example: celery-duraflow installed from this repository, plus the
 # example_project package, which runs from /app. Used by docker-compose.yml for the
-# `worker` and `demo` services.
+# `worker`, `sweeper`, `web` and `demo` services.
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -11,10 +11,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# The library (psycopg's binary wheel needs no system packages) and Celery's Redis transport.
+# The library with its web view (psycopg's binary wheel needs no system packages) and
+# Celery's Redis transport.
 COPY pyproject.toml README.md LICENSE ./
 COPY celery_duraflow ./celery_duraflow
-RUN pip install . "celery[redis]"
+RUN pip install ".[web]" "celery[redis]"
 
 # The example is not part of the distribution: it is imported from /app.
 COPY example_project ./example_project
