@@ -25,6 +25,7 @@ from celery_duraflow import (
     wait_for_signal,
 )
 from celery_duraflow._config import config_for_app
+from celery_duraflow._lease import keeper
 from celery_duraflow._store import store_for
 from tests.conftest import run_worker, wait_for_status
 
@@ -228,7 +229,12 @@ def test_cancel_a_running_run_stops_it_at_the_next_step(make_app: Callable[..., 
         result = trip.delay()
         assert inside.wait(10)
         assert cancel(result.id, app=app) is True
-        time.sleep(1.0)  # three lease renewals: the worker has heard of it
+        # The worker hears of it when it next renews the lease (every third of a second).
+        owner = get_run(result.id, app=app).lease_owner  # type: ignore[union-attr]
+        deadline = time.monotonic() + 10
+        while not keeper().cancelled(result.id, owner) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert keeper().cancelled(result.id, owner)
         release.set()
         wait_for_status(app, result.id, "cancelled")
     assert ran == ["slow-quote"]  # the step in progress finished; the next one never ran
