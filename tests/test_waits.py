@@ -243,8 +243,14 @@ def test_child_result_comes_back_and_a_replay_starts_no_second_child(
         # The parent is delivered again while its child runs: it waits again, and the
         # child is not started a second time.
         parent.apply_async(args=("LIS",), task_id=result.id)
-        time.sleep(0.3)
-        wait_for_status(app, result.id, "waiting")
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # until that delivery ran and waits again
+            again = get_run(result.id, app=app)
+            if again is not None and again.attempts == 2 and again.status == "waiting":
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError("the second delivery of the parent did not wait again")
         release.set()
         assert result.get(timeout=RESULT_TIMEOUT) == {"offers": ["LIS-1", "LIS-2"]}
     assert calls == {"prepare": 1, "child": 1}
