@@ -170,3 +170,12 @@ def config_for_app(app: Any) -> Config:
         cached = load_config(app.conf)
         setattr(app, _CACHE_ATTR, cached)
     return cached
+
+
+def app_and_config(app: Any) -> tuple[Any, Config]:
+    """The given Celery app (Celery's current app when None) and its :class:`Config`."""
+    if app is None:
+        from celery import current_app
+
+        app = current_app
+    return app, config_for_app(app)

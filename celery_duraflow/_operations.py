@@ -6,20 +6,12 @@ import logging
 from typing import Any
 
 from ._compensation import COMPENSATION_PREFIX
-from ._config import config_for_app
+from ._config import app_and_config
 from ._recovery import send_run
 from ._store import FINISHED, RunRecord, store_for
 from .errors import RunNotFound
 
 logger = logging.getLogger("celery_duraflow.operations")
-
-
-def _app(app: Any) -> Any:
-    if app is None:
-        from celery import current_app
-
-        return current_app
-    return app
 
 
 def cancel(task_id: str, *, app: Any = None) -> bool:
@@ -32,8 +24,7 @@ def cancel(task_id: str, *, app: Any = None) -> bool:
     run, and it ends ``cancelled``. Raises :class:`~celery_duraflow.RunNotFound`
     for an unknown task id.
     """
-    app = _app(app)
-    config = config_for_app(app)
+    app, config = app_and_config(app)
     store = store_for(config)
     run, send = store.request_cancel(task_id, grace=config.lease_seconds)
     if run is None:
@@ -56,8 +47,7 @@ def retry_run(task_id: str, *, from_step: str | None = None, app: Any = None) ->
     retry count starts over. Raises :class:`~celery_duraflow.RunNotFound` or
     :class:`~celery_duraflow.RunStateError`.
     """
-    app = _app(app)
-    config = config_for_app(app)
+    app, config = app_and_config(app)
     store = store_for(config)
     run = store.reset_for_retry(task_id, from_step=from_step, grace=config.lease_seconds,
                                 compensation_prefix=COMPENSATION_PREFIX)

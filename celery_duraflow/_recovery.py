@@ -23,7 +23,7 @@ from typing import Any
 
 from celery import shared_task
 
-from ._config import config_for_app
+from ._config import app_and_config, config_for_app
 from ._serialization import decode
 from ._store import RUNNING, RunRecord, store_for
 
@@ -58,11 +58,7 @@ def recover(app: Any = None, *, limit: int = 100) -> list[str]:
 
     Safe to call from several processes at once, and from a beat task.
     """
-    if app is None:
-        from celery import current_app
-
-        app = current_app
-    config = config_for_app(app)
+    app, config = app_and_config(app)
     store = store_for(config)
     sent: list[str] = []
     for run in store.recoverable_runs(limit):

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from ._config import Config, config_for_app
+from ._config import Config, app_and_config
 from ._serialization import decode
 from ._store import STEP_COMPLETED, STEP_WAITING, RunRecord, StepRecord, store_for
 
@@ -104,11 +104,7 @@ def get_run(task_id: str, *, app: Any = None) -> RunView | None:
     ``app`` defaults to Celery's current app; its ``duraflow_*`` settings
     say which database to read.
     """
-    if app is None:
-        from celery import current_app
-
-        app = current_app
-    config = config_for_app(app)
+    app, config = app_and_config(app)
     store = store_for(config)
     run = store.get_run(task_id)
     if run is None:

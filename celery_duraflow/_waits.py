@@ -24,7 +24,7 @@ from typing import Any
 
 from celery import shared_task
 
-from ._config import Config, config_for_app
+from ._config import Config, app_and_config, config_for_app
 from ._context import RunContext, Suspended, current_run, describe
 from ._serialization import decode, encode_arguments, get_serializer
 from ._step import check_name
@@ -376,11 +376,7 @@ def send_signal(task_id: str, name: str, payload: Any = None, *, app: Any = None
     the signal there when it does. Raises :class:`~celery_duraflow.RunNotFound`
     for an unknown task id.
     """
-    if app is None:
-        from celery import current_app
-
-        app = current_app
-    config = config_for_app(app)
+    app, config = app_and_config(app)
     store = store_for(config)
     run = store.get_run(task_id)
     if run is None:
