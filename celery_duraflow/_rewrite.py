@@ -30,6 +30,7 @@ import inspect
 import logging
 import sys
 import textwrap
+import threading
 import types
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -62,6 +63,22 @@ def guard(fingerprint: str | None = None) -> bool:
     return ctx.stack[-1]._should_run
 
 
+# CPython 3.11 (3.11.7 here, at least) keeps one counter for every thread's AST
+# construction, so two threads parsing at once can fail with "SystemError: AST constructor
+# recursion depth mismatch" (python/cpython#106905; seen in this project's test suite). Worker threads fingerprint code while the main
+# thread prepares tasks: every parse here goes through this lock.
+_PARSE_LOCK = threading.Lock()
+
+
+def _parse(source: str, filename: str = "<unknown>") -> ast.Module:
+    with _PARSE_LOCK:
+        try:
+            return ast.parse(source, filename=filename)
+        except SystemError:
+            # Someone else's parse (not under this lock) ran at the same moment: once more.
+            return ast.parse(source, filename=filename)
+
+
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -79,14 +96,21 @@ def fingerprint_nodes(nodes: list[ast.stmt]) -> str:
 @functools.lru_cache(maxsize=2048)
 def _code_fingerprint(code: types.CodeType) -> str:
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(code)))
+        tree = _parse(textwrap.dedent(inspect.getsource(code)))
     except (OSError, TypeError, SyntaxError, IndentationError):
         # No source: the bytecode and constants stand in for it.
-        return _digest(code.co_code.hex() + repr(code.co_consts) + repr(code.co_names))
+        return _bytecode_fingerprint(code)
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             node.decorator_list = []  # retry options and the like are not the code
     return fingerprint_nodes(tree.body)
+
+
+def _bytecode_fingerprint(code: types.CodeType) -> str:
+    # Nested code objects by their own fingerprint: their repr holds a memory address.
+    consts = [_bytecode_fingerprint(c) if isinstance(c, types.CodeType) else repr(c)
+              for c in code.co_consts]
+    return _digest(code.co_code.hex() + repr(consts) + repr(code.co_names))
 
 
 def code_fingerprint(fn: Any) -> str | None:
@@ -157,7 +181,7 @@ def _rewrite(fn: types.FunctionType) -> types.FunctionType | None:
     try:
         # Parse indented source inside "if 1:" rather than dedenting it: column offsets
         # and multi-line strings stay exactly as written.
-        tree = ast.parse("if 1:\n" + source if indented else source, filename=filename)
+        tree = _parse("if 1:\n" + source if indented else source, filename=filename)
     except SyntaxError:
         logger.debug("source of %s does not parse on its own; it stays unprepared",
                      fn.__qualname__)

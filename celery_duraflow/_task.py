@@ -54,6 +54,10 @@ class DurableTask(Task):  # type: ignore[misc]
             cls.run = staticmethod(prepare(run.__func__))
         elif isinstance(run, types.FunctionType):
             cls.run = prepare(run)
+        if run is not None:
+            # Fingerprint the code now, where the task is defined, rather than in the
+            # first attempt of some worker thread (the result is cached per code object).
+            code_fingerprint(cls.run)
         install_signal_handlers()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
