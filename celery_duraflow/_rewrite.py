@@ -65,8 +65,9 @@ def guard(fingerprint: str | None = None) -> bool:
 
 # CPython 3.11 (3.11.7 here, at least) keeps one counter for every thread's AST
 # construction, so two threads parsing at once can fail with "SystemError: AST constructor
-# recursion depth mismatch" (python/cpython#106905; seen in this project's test suite). Worker threads fingerprint code while the main
-# thread prepares tasks: every parse here goes through this lock.
+# recursion depth mismatch" (python/cpython#106905; seen in this project's test suite).
+# Worker threads fingerprint code while the main thread prepares tasks: every parse here
+# goes through this lock.
 _PARSE_LOCK = threading.Lock()
 
 
