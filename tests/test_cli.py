@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import uuid
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 from sqlalchemy import update
@@ -17,8 +15,10 @@ from celery_duraflow._config import load_config
 from celery_duraflow._serialization import encode_arguments, get_serializer
 from celery_duraflow._store import Delivery, Store, close_all_stores
 from tests.conftest import drop_tables
+from tests.workers import REPO_ROOT, proj_env
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# For commands that never reach the broker: nothing listens on port 1.
+NO_BROKER = "redis://127.0.0.1:1/0"
 
 
 @pytest.mark.postgres
@@ -40,8 +40,7 @@ def test_recover_once_resends_a_lost_run(pg_url: str, redis_url: str,
         with store.engine.begin() as conn:
             conn.execute(update(runs).values(
                 lease_expires_at=datetime.now(UTC) - timedelta(seconds=5)))
-        env = {**os.environ, "PROJ_BROKER_URL": redis_url, "PROJ_DATABASE_URL": pg_url,
-               "PROJ_TABLE_PREFIX": table_prefix}
+        env = proj_env(pg_url, redis_url, table_prefix)
         done = subprocess.run(
             [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "recover",
              "--once"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60,
@@ -73,8 +72,7 @@ def test_patch_lists_the_runs_that_may_take_the_old_branch(pg_url: str,
     store = Store(load_config({"duraflow_database_url": pg_url,
                                "duraflow_table_prefix": table_prefix}, environ={}))
     old, new = f"old-{uuid.uuid4()}", f"new-{uuid.uuid4()}"
-    env = {**os.environ, "PROJ_BROKER_URL": "redis://127.0.0.1:1/0", "PROJ_DATABASE_URL": pg_url,
-           "PROJ_TABLE_PREFIX": table_prefix}
+    env = proj_env(pg_url, NO_BROKER, table_prefix)
 
     def patch_command() -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -115,8 +113,7 @@ def test_runs_and_show_as_real_commands(pg_url: str, table_prefix: str) -> None:
     store = Store(load_config({"duraflow_database_url": pg_url,
                                "duraflow_table_prefix": table_prefix}, environ={}))
     done, waiting = f"done-{uuid.uuid4()}", f"waiting-{uuid.uuid4()}"
-    env = {**os.environ, "PROJ_BROKER_URL": "redis://127.0.0.1:1/0", "PROJ_DATABASE_URL": pg_url,
-           "PROJ_TABLE_PREFIX": table_prefix, "COLUMNS": "300"}
+    env = proj_env(pg_url, NO_BROKER, table_prefix, COLUMNS="300")
 
     def duraflow(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -169,8 +166,7 @@ def test_web_command_serves_the_runs_page(pg_url: str, table_prefix: str) -> Non
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    env = {**os.environ, "PROJ_BROKER_URL": "redis://127.0.0.1:1/0", "PROJ_DATABASE_URL": pg_url,
-           "PROJ_TABLE_PREFIX": table_prefix}
+    env = proj_env(pg_url, NO_BROKER, table_prefix)
     env.pop("DURAFLOW_WEB_TOKEN", None)
     server = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "web", "--port",
