@@ -7,7 +7,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .errors import NonDeterministicReplay
+from .errors import DuraflowError, NonDeterministicReplay
 
 logger = logging.getLogger("celery_duraflow.replay")
 
@@ -45,8 +45,9 @@ class RunContext:
     # Steps entered by the `with` statement whose body has not started yet: the body's
     # guard hands them its code fingerprint.
     entered: list[StepContext] = field(default_factory=list)
-    # A divergence that ends the run: no retry may run it again on the same record.
-    fatal: NonDeterministicReplay | None = None
+    # An error that ends the run for good (a divergence, an output that cannot be
+    # stored, a key the store cannot hold): no retry may run it again on the same record.
+    fatal: DuraflowError | None = None
     # (parent key, position) -> the key recorded there; built on first use.
     _positions: dict[tuple[str, int], str] | None = None
     # Why the run is being unwound ("cancel" or "failure"), or None: at the first step

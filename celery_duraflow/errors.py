@@ -9,12 +9,15 @@ to the caller intact::
     ├── ChildFailed               a child run failed (or did not finish in time)
     │   └── ChildTimeout              ... did not finish within the child() timeout
     ├── ConfigurationError        a duraflow_* setting or the database URL is wrong
-    ├── InvalidStepName           step() got an empty, non-string or malformed name
+    ├── InvalidStepName           step() got an empty, non-string, malformed or too long name
+    ├── InvalidTaskId             a task id the store cannot hold (too long, not a string)
+    ├── InvalidDuration           a sleep or timeout that is NaN, infinite or out of range
     ├── NonDeterministicReplay    a replay reached the recorded steps in another order
     │   ├── StepCodeChanged       ... a completed step's code changed (on_code_change="fail")
     │   └── StepInputChanged      ... a completed step was given another input
     ├── NotInDurableTask          step() was used outside a run of a DurableTask
     ├── RunArgumentsMismatch      a task id was sent again with other arguments
+    ├── RunArgumentsNotSerializable a run's arguments cannot be recorded
     ├── RunCancelled              the run was cancelled (its compensations ran)
     ├── RunNotFound               no run with that task id is recorded
     ├── RunStateError             the run's status does not allow the operation
@@ -22,6 +25,7 @@ to the caller intact::
     ├── StepInDoubt               an interrupted step asks for a human (on_in_doubt="raise")
     ├── StepNotPrepared           `with step(...)` in code that was not prepared
     ├── StepOutputNotSerializable a step output or task result the serializer refuses
+    ├── UnsupportedCode           code that cannot be replayed faithfully (async, yield in a step)
     ├── StepConflict              another attempt of the same run owns the step
     │   └── LeaseLost             this attempt no longer owns its run
     └── StoreUnavailable          the database could not be reached
@@ -36,11 +40,14 @@ __all__ = [
     "ChildTimeout",
     "ConfigurationError",
     "DuraflowError",
+    "InvalidDuration",
     "InvalidStepName",
+    "InvalidTaskId",
     "LeaseLost",
     "NonDeterministicReplay",
     "NotInDurableTask",
     "RunArgumentsMismatch",
+    "RunArgumentsNotSerializable",
     "RunCancelled",
     "RunNotFound",
     "RunStateError",
@@ -52,6 +59,7 @@ __all__ = [
     "StepNotPrepared",
     "StepOutputNotSerializable",
     "StoreUnavailable",
+    "UnsupportedCode",
 ]
 
 
@@ -88,6 +96,29 @@ class InvalidStepName(DuraflowError, ValueError):
     """``step()`` was given a name that cannot be used as a step key."""
 
 
+class InvalidTaskId(DuraflowError, ValueError):
+    """A task id the store cannot hold: not a string, or longer than its column.
+
+    Refused before the run is recorded and before any step body runs.
+    """
+
+
+class InvalidDuration(DuraflowError, ValueError):
+    """A sleep or timeout that is NaN, infinite, negative where that means nothing, or
+    so far away that no timestamp can hold it.
+
+    Refused before anything is recorded for the wait.
+    """
+
+
+class UnsupportedCode(DuraflowError, TypeError):
+    """Code the library cannot replay faithfully, refused where it is prepared.
+
+    An ``async def`` task (Celery calls tasks synchronously), and ``yield``,
+    ``yield from`` or ``await`` inside a ``with step(...)`` body.
+    """
+
+
 class NotInDurableTask(DuraflowError, RuntimeError):
     """A step was reached while no durable run was active in this context."""
 
@@ -120,6 +151,15 @@ class RunArgumentsMismatch(DuraflowError, ValueError):
 
     The recorded steps belong to the first arguments; handing them to other
     ones would be wrong, so the delivery is refused.
+    """
+
+
+class RunArgumentsNotSerializable(DuraflowError, TypeError):
+    """A run's arguments cannot be recorded with the configured serializer.
+
+    Without them the recovery sweep could not send the run again, and a task
+    id re-sent with other arguments could not be told apart, so the run is
+    refused at its first attempt, before any step runs.
     """
 
 
