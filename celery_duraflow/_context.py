@@ -167,6 +167,28 @@ def get_current_run() -> RunContext | None:
 
 
 def describe(value: Any, limit: int = 200) -> str:
-    """A short, single-line description of a value for error messages."""
-    text = f"{type(value).__name__} {value!r}"
+    """A short, single-line description of a value for error messages.
+
+    "TypeName repr", at most ``limit`` characters. The repr is a bounded one
+    (:mod:`reprlib`: a few levels, a few items per container, long strings and
+    numbers cut), so a value nested thousands of levels deep, a huge container
+    or a ``__repr__`` that raises cannot make the message itself fail: this
+    function never raises.
+    """
+    import reprlib
+
+    name = type(value).__name__
+    limit = max(int(limit), 8)
+    bounded = reprlib.Repr()
+    bounded.maxlevel = 6
+    bounded.maxtuple = bounded.maxlist = bounded.maxset = bounded.maxfrozenset = 20
+    bounded.maxdeque = bounded.maxarray = 20
+    bounded.maxdict = 12
+    bounded.maxstring = bounded.maxlong = bounded.maxother = limit
+    try:
+        shown = bounded.repr(value)
+    except Exception as exc:
+        # reprlib lets a few reprs raise (an int too long to print, say).
+        shown = f"<{name} that cannot be shown: {type(exc).__name__}>"
+    text = f"{name} {shown}".replace("\r", "\\r").replace("\n", "\\n")
     return text if len(text) <= limit else text[: limit - 3] + "..."

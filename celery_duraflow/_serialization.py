@@ -13,12 +13,15 @@ import base64
 import functools
 import hashlib
 import importlib
+import json
+import math
 import pickle
+import reprlib
 from typing import Any, Protocol
 
 from kombu.utils import json as kombu_json
 
-from .errors import ConfigurationError
+from .errors import ConfigurationError, RunArgumentsNotSerializable
 
 
 class Serializer(Protocol):
@@ -125,29 +128,286 @@ def decode(data: str | None, stored_with: str | None, configured: str, *, task_i
         ) from exc
 
 
-def encode_arguments(args: Any, kwargs: Any,
-                     serializer: Serializer) -> tuple[str | None, str | None]:
-    """A task's arguments as stored text, and their fingerprint.
+def encode_arguments(args: Any, kwargs: Any, serializer: Serializer, *,
+                     task_id: str | None = None, task_name: str | None = None,
+                     serializer_name: str | None = None) -> tuple[str, str]:
+    """A task's arguments as stored text, and their fingerprint; both always set.
 
     The fingerprint is a SHA-256 of canonical JSON (sorted keys, tuples and
     lists alike), so the same arguments match whether they came through a
-    broker or an eager call. Arguments JSON cannot hold are fingerprinted
-    through the configured serializer; if that fails too there is none.
+    broker or an eager call. Arguments kombu's JSON cannot write (objects,
+    with ``duraflow_serializer = "pickle"``) are fingerprinted through the
+    serializer's own text instead.
+
+    Arguments the serializer cannot store at all raise
+    :class:`~celery_duraflow.errors.RunArgumentsNotSerializable`, naming the
+    task, the argument (``args[1]``, ``kwargs["when"]["price"]``), its type
+    and the serializer's reason: without stored arguments the recovery sweep
+    could not send the run again, and the same task id re-sent with other
+    arguments could not be told apart. The serializer is asked first, so a
+    NaN (which canonical JSON would write) is refused by the JSON serializer.
     """
     payload = {"args": list(args), "kwargs": dict(kwargs)}
     try:
-        blob: str | None = serializer.dumps(payload)
-    except Exception:
-        blob = None
-    canonical: str | None
+        blob = serializer.dumps(payload)
+    except Exception as error:
+        raise _arguments_refused(payload, serializer, error, task_id=task_id,
+                                 task_name=task_name,
+                                 serializer_name=serializer_name) from error
     try:
         canonical = str(kombu_json.dumps(payload, sort_keys=True,  # type: ignore[no-untyped-call]
                                          separators=(",", ":")))
     except Exception:
         canonical = blob
-    if canonical is None:
-        return blob, None
     return blob, hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def _arguments_refused(payload: dict[str, Any], serializer: Serializer, error: Exception, *,
+                       task_id: str | None, task_name: str | None,
+                       serializer_name: str | None) -> RunArgumentsNotSerializable:
+    """The error for arguments ``serializer`` refused: which one, what it is, and why."""
+    where, kind, why = "its arguments", _kind(payload, error), error
+    try:
+        candidates = [(f"args[{index}]", arg) for index, arg in enumerate(payload["args"])]
+        candidates += [(f"kwargs{_segment(key)}", arg)
+                       for key, arg in payload["kwargs"].items()]
+        for root, arg in candidates:
+            arg_error = _refusal(arg, serializer)
+            if arg_error is None:
+                continue
+            found = _walk(arg, serializer, root, arg_error)
+            where, kind, why = found if found is not None else (root, _kind(arg, arg_error),
+                                                                 arg_error)
+            break
+    except Exception:  # a part that breaks while being looked at: say "its arguments"
+        pass
+    if task_id is not None:
+        who = f"task {task_id}" + (f" ({task_name})" if task_name else "")
+    else:
+        who = f"a run of {task_name}" if task_name else "a run"
+    using = (f"the {serializer_name!r} serializer" if serializer_name
+             else "the configured serializer")
+    subject = "its arguments are" if where == "its arguments" else f"its argument {where} is"
+    return RunArgumentsNotSerializable(
+        f"{who} was refused before it started: {subject} {_article(kind)} {kind}, which "
+        f"{using} cannot store ({_short(why)}). Nothing was run or recorded: without its "
+        "arguments the run could not be sent again after a crash, nor told apart from "
+        "another run sent under the same task id. Pass plain data (ids rather than objects; "
+        "strings, numbers, lists and dicts), or configure duraflow_serializer (for example "
+        "'pickle', or a dotted path to your own) to store such arguments.",
+        task_id=task_id,
+    )
+
+
+#: How deep :func:`find_unstorable` follows a value before calling it too deep.
+MAX_DEPTH = 1000
+# How many dumps() calls find_unstorable may spend before settling for what it found.
+_MAX_TRIES = 10_000
+# Path segments kept at each end of a long path, and characters kept of a long key.
+_PATH_ENDS = 4
+_KEY_CHARS = 40
+
+
+def find_unstorable(value: Any, serializer: Serializer,
+                    root: str = "result") -> tuple[str, str] | None:
+    """Where in ``value`` the part ``serializer`` refuses sits, and what it is.
+
+    Returns ``(path, type)``: ``path`` starts with ``root`` and goes down
+    through dicts (``["key"]`` for a string key, ``[3]`` or ``[(1, 2)]`` for
+    others, by a shortened repr) and lists and tuples (``[i]``), for example
+    ``('result["flights"][3]', "Flight")``. ``type`` is the refused part's
+    type name, with a note in parentheses where the name alone would mislead:
+
+    * ``"float (nan)"``, ``"float (inf)"``, ``"float (-inf)"``: a number JSON cannot hold;
+    * ``"tuple (as a dict key)"``: the path's last segment is a key the serializer refuses;
+    * ``"list (contains itself)"``: a reference cycle;
+    * ``"dict (nested too deep)"``: the serializer gave up on the nesting
+      (``RecursionError``) although every part on its own is fine;
+    * ``"dict (nested more than 1000 levels deep)"``: the walk stops at
+      :data:`MAX_DEPTH` levels and names the part there.
+
+    A path with more than eight segments keeps the first and last four, with
+    ``[...N levels...]`` in between. The smallest refused part is found by
+    calling ``serializer.dumps`` on the parts, top down, one level at a time,
+    without recursion. Meant for error messages, after a ``dumps()`` failed:
+    it never raises, and returns ``None`` when ``value`` can be stored after
+    all or when it cannot tell.
+    """
+    try:
+        found = _walk(value, serializer, root, None)
+    except Exception:
+        return None
+    return None if found is None else (found[0], found[1])
+
+
+def _walk(value: Any, serializer: Serializer, root: str,
+          error: Exception | None) -> tuple[str, str, Exception] | None:
+    """find_unstorable's loop, also returning the serializer's error for the part."""
+    if error is None:
+        error = _refusal(value, serializer)
+        if error is None:
+            return None
+    segments: list[str] = []
+    ancestors = {id(value)}
+    node = value
+    tries = 1
+    jumped = False
+    while True:
+        if len(segments) >= MAX_DEPTH:
+            return (_path(root, segments),
+                    f"{type(node).__name__} (nested more than {MAX_DEPTH} levels deep)", error)
+        children = _children(node)
+        if children is None:
+            return _path(root, segments), _kind(node, error), error
+        if isinstance(error, RecursionError) and not jumped:
+            # Too deep for the serializer: every dumps() below would go as deep again,
+            # so jump down the nesting instead of trying each level.
+            jump = _deep_jump(node, len(segments), ancestors, serializer)
+            tries += jump[2]
+            if jump[0]:
+                for key, child in jump[0]:
+                    segments.append(_segment(key))
+                    ancestors.add(id(child))
+                node, error, jumped = jump[0][-1][1], jump[1] or error, True
+                continue
+        step: tuple[Any, Any, Exception] | None = None
+        cycle: tuple[Any, Any] | None = None
+        for key, child in children:
+            if tries >= _MAX_TRIES:
+                break
+            if isinstance(child, (dict, list, tuple)) and id(child) in ancestors:
+                # Every part on the path is refused already; a cycle is named only if
+                # nothing else under this node is.
+                cycle = cycle or (key, child)
+                continue
+            tries += 1
+            child_error = _refusal(child, serializer)
+            if child_error is not None:
+                step = (key, child, child_error)
+                break
+        if step is None and cycle is not None:
+            return (_path(root, [*segments, _segment(cycle[0])]),
+                    f"{type(cycle[1]).__name__} (contains itself)", error)
+        if step is None and isinstance(node, dict):
+            for key, _ in children:
+                if tries >= _MAX_TRIES:
+                    break
+                tries += 1
+                key_error = _refusal({key: None}, serializer)
+                if key_error is not None:
+                    return (_path(root, [*segments, _segment(key)]),
+                            f"{type(key).__name__} (as a dict key)", key_error)
+        if step is None:
+            return _path(root, segments), _kind(node, error), error
+        key, node, error = step
+        segments.append(_segment(key))
+        jumped = False
+        if isinstance(node, (dict, list, tuple)):
+            ancestors.add(id(node))
+
+
+def _children(node: Any) -> list[tuple[Any, Any]] | None:
+    """(key or index, part) of a dict, list or tuple; None for anything else."""
+    if isinstance(node, dict):
+        return list(node.items())
+    if isinstance(node, (list, tuple)):
+        return list(enumerate(node))
+    return None
+
+
+def _deep_jump(node: Any, depth: int, ancestors: set[int], serializer: Serializer,
+               ) -> tuple[list[tuple[Any, Any]], Exception | None, int]:
+    """The way down from ``node`` to the deepest part that is still refused.
+
+    Follows the first dict, list or tuple at each level (down to
+    :data:`MAX_DEPTH`) and binary-searches that chain with ``dumps()``: a
+    handful of calls instead of one per level. Returns the chain of
+    (key, part) to that part (empty if none below ``node`` is refused), its
+    error, and how many ``dumps()`` calls it spent.
+    """
+    chain: list[tuple[Any, Any]] = []
+    seen = set(ancestors)
+    current = node
+    while depth + len(chain) < MAX_DEPTH:
+        below = next(((key, child) for key, child in _children(current) or ()
+                      if isinstance(child, (dict, list, tuple)) and id(child) not in seen),
+                     None)
+        if below is None:
+            break
+        chain.append(below)
+        seen.add(id(below[1]))
+        current = below[1]
+    if not chain:
+        return [], None, 0
+    spent = 1
+    last = _refusal(chain[-1][1], serializer)
+    if last is not None:
+        return chain, last, spent
+    # chain[low] is refused (low = -1: node itself), chain[high] is not.
+    low, high, error = -1, len(chain) - 1, None
+    while high - low > 1:
+        middle = (low + high) // 2
+        spent += 1
+        middle_error = _refusal(chain[middle][1], serializer)
+        if middle_error is None:
+            high = middle
+        else:
+            low, error = middle, middle_error
+    return chain[: low + 1], error, spent
+
+
+def _refusal(value: Any, serializer: Serializer) -> Exception | None:
+    """The error ``serializer.dumps(value)`` raises, or None when it can store ``value``."""
+    try:
+        serializer.dumps(value)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _kind(value: Any, error: BaseException) -> str:
+    """A refused value's type name, with a note where the name alone would mislead."""
+    name = type(value).__name__
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{name} ({value!r})"
+    if isinstance(error, RecursionError):
+        return f"{name} (nested too deep)"
+    return name
+
+
+def _segment(key: Any) -> str:
+    """One step of a path into a dict: ``["key"]`` for a string, a short repr otherwise."""
+    if isinstance(key, str):
+        shown = key if len(key) <= _KEY_CHARS else key[: _KEY_CHARS - 3] + "..."
+        return f"[{json.dumps(shown, ensure_ascii=False)}]"
+    short = reprlib.Repr()
+    short.maxstring = short.maxother = short.maxlong = _KEY_CHARS
+    short.maxlevel = 2
+    try:
+        text = short.repr(key)
+    except Exception:
+        text = f"<{type(key).__name__}>"
+    return f"[{text[:_KEY_CHARS]}]"
+
+
+def _path(root: str, segments: list[str]) -> str:
+    """``root`` followed by ``segments``, the middle left out of a long path."""
+    if len(segments) <= 2 * _PATH_ENDS:
+        return root + "".join(segments)
+    middle = len(segments) - 2 * _PATH_ENDS
+    return (root + "".join(segments[:_PATH_ENDS]) + f"[...{middle} levels...]"
+            + "".join(segments[-_PATH_ENDS:]))
+
+
+def _short(error: BaseException) -> str:
+    """The first line of an error's text, cut to a length fit for a message."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else type(error).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _article(kind: str) -> str:
+    return "an" if kind[:1].lower() in "aeiou" else "a"
 
 
 def fingerprint(value: Any, serializer: Serializer) -> str:

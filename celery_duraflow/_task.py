@@ -73,7 +73,7 @@ class DurableTask(Task):  # type: ignore[misc]
         outer = current_run.get()
         # An eager retry nested in its caller's attempt continues under the caller's lease.
         owner = outer.owner if outer is not None and outer.task_id == task_id else new_owner()
-        delivery = self._delivery(owner, args, kwargs, serializer)
+        delivery = self._delivery(owner, args, kwargs, serializer, config.serializer)
         # Every statement of this attempt goes to one connection, kept until it ends.
         with store.held_connection():
             try:
@@ -182,10 +182,17 @@ class DurableTask(Task):  # type: ignore[misc]
         return result
 
     def _delivery(self, owner: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  serializer: Serializer) -> Delivery:
+                  serializer: Serializer, serializer_name: str) -> Delivery:
+        """What this attempt records about its message.
+
+        Raises RunArgumentsNotSerializable when the serializer cannot store the
+        arguments: before begin_attempt, so nothing is recorded and no step runs.
+        """
         request = self.request
         info = request.delivery_info or {}
-        blob, fingerprint = encode_arguments(args, kwargs, serializer)
+        blob, fingerprint = encode_arguments(args, kwargs, serializer, task_id=request.id,
+                                             task_name=self.name,
+                                             serializer_name=serializer_name)
         return Delivery(task_name=self.name, owner=owner, args=blob,
                         args_fingerprint=fingerprint, exchange=info.get("exchange") or None,
                         routing_key=info.get("routing_key") or None,
