@@ -122,13 +122,25 @@ class RunContext:
         Both count within the parent, never across the run: when a parent step is
         answered from the store its body and its children are not reached, and the
         steps after it must keep their keys and positions all the same.
+
+        A key longer than the store can hold is refused here, before the step's body
+        runs or anything is written, and ends the run for good: a retry would reach
+        the same key.
         """
+        from ._limits import check_key
+
         parent = self.stack[-1].key if self.stack else ""
         count = self.occurrences.get((parent, name), 0) + 1
-        self.occurrences[(parent, name)] = count
         key = name if count == 1 else f"{name}#{count}"
+        key = f"{parent}/{key}" if parent else key
+        try:
+            check_key(self.task_id, key)
+        except DuraflowError as error:
+            self.fatal = error
+            raise
+        self.occurrences[(parent, name)] = count
         position = self.reached[parent] = self.reached.get(parent, 0) + 1
-        return (f"{parent}/{key}" if parent else key), position
+        return key, position
 
 
 class Suspended(BaseException):

@@ -284,6 +284,10 @@ class Store:
     def _create_engine(self) -> Engine:
         url = self.config.database_url
         options: dict[str, Any] = dict(self.config.engine_options)
+        # A statement's parameters are step outputs, signal payloads and task arguments:
+        # keep them out of database error messages and SQL logs, where they would reach
+        # exception text, a result backend and log files.
+        options.setdefault("hide_parameters", True)
         if self.dialect == "sqlite":
             connect_args = dict(options.pop("connect_args", {}))
             connect_args.setdefault("check_same_thread", False)

@@ -66,6 +66,9 @@ class DurableTask(Task):  # type: ignore[misc]
             # Called like a function (task(...)): no id, so no run of its own. Inside a
             # durable run its steps join that run, like a @durable helper's would.
             return super().__call__(*args, **kwargs)
+        from ._limits import check_task_id
+
+        check_task_id(task_id)  # before anything is recorded or run
 
         config = config_for_app(self._get_app())
         store = store_for(config)

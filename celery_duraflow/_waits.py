@@ -26,6 +26,8 @@ from celery import shared_task
 
 from ._config import Config, app_and_config, config_for_app
 from ._context import RunContext, Suspended, current_run, describe
+from ._limits import check_signal_name, check_task_id, moment
+from ._limits import seconds as checked_seconds
 from ._serialization import decode, encode_arguments, get_serializer
 from ._step import check_name
 from ._store import (
@@ -163,14 +165,18 @@ class _Wait:
                     f" until {wake_at.isoformat()}" if wake_at else "")
         raise Suspended(ctx.task_id, self.key, status, countdown)
 
-    def deadline(self, timeout: float | timedelta | None) -> datetime | None:
-        if timeout is None:
+    def duration(self, value: float | timedelta | None, what: str) -> float | None:
+        """``value`` in seconds, refused (InvalidDuration) unless a wait can last that long.
+
+        Checked on every attempt, before anything is recorded for the wait.
+        """
+        if value is None:
             return None
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-        if seconds < 0:
-            raise ValueError(f"the timeout of {self.kind} {self.key!r} in task "
-                             f"{self.ctx.task_id} is negative ({seconds}s)")
-        return self.now + timedelta(seconds=seconds)
+        return checked_seconds(value, task_id=self.ctx.task_id, key=self.key, what=what)
+
+    def deadline(self, length: float | None) -> datetime | None:
+        """The end of a wait of ``length`` seconds (checked by :meth:`duration`) from now."""
+        return None if length is None else self.now + timedelta(seconds=length)
 
 
 def sleep(name: str, seconds: float | timedelta | None = None, *,
@@ -183,10 +189,16 @@ def sleep(name: str, seconds: float | timedelta | None = None, *,
     returns at once. Waking needs the sweep (``celery -A proj duraflow wake``
     or :func:`~celery_duraflow.recovery_beat_entry`) unless the time left is
     under ``duraflow_eta_threshold``, which a broker countdown covers as well.
+    ``seconds`` (a number or a timedelta) must be finite and from 0 to 100 years, and
+    ``until`` a datetime (naive ones are UTC): anything else raises
+    :class:`~celery_duraflow.InvalidDuration` before the sleep is recorded.
     """
     if (seconds is None) == (until is None):
         raise TypeError(f"sleep({name!r}) needs either seconds or until=, not both or neither")
     wait = _Wait("sleep", name)
+    if until is not None:
+        until = moment(until, task_id=wait.ctx.task_id, key=wait.key, what="until= of sleep")
+    length = wait.duration(seconds, "the length of sleep")
     wait.stop_if_unwinding()
     if wait.done:
         return
@@ -194,10 +206,9 @@ def sleep(name: str, seconds: float | timedelta | None = None, *,
         wake_at = wait.until()
         assert wake_at is not None
     elif until is not None:
-        wake_at = until if until.tzinfo else until.replace(tzinfo=UTC)
+        wake_at = until
     else:
-        assert seconds is not None
-        wake_at = wait.deadline(seconds)
+        wake_at = wait.deadline(length)
         assert wake_at is not None
     if datetime.now(UTC) >= wake_at:
         wait.write(STEP_COMPLETED, {"until": wake_at})
@@ -219,11 +230,12 @@ def wait_for_signal(name: str, *, timeout: float | timedelta | None = None) -> A
     is raised once it has passed, and on every replay after that.
     """
     wait = _Wait("signal", name)
+    length = wait.duration(timeout, "the timeout of signal")
     wait.stop_if_unwinding()
     ctx = wait.ctx
     if wait.done:
         return _signal_outcome(wait, wait.stored())
-    deadline = wait.until() if wait.waiting else wait.deadline(timeout)
+    deadline = wait.until() if wait.waiting else wait.deadline(length)
     while True:
         signal = ctx.store.get_signal(ctx.task_id, wait.key)
         if signal is not None:
@@ -266,13 +278,14 @@ def child(name: str, signature: Any, *, timeout: float | timedelta | None = None
     :class:`~celery_duraflow.ChildTimeout` (the child itself goes on).
     """
     wait = _Wait("child", name)
+    length = wait.duration(timeout, "the timeout of child")
     wait.stop_if_unwinding()
     ctx = wait.ctx
     if wait.done:
         return _child_outcome(wait, wait.stored())
     child_id = wait.stored().get("child") if wait.waiting else None
     child_id = str(child_id or child_task_id(ctx.task_id, wait.key))
-    deadline = wait.until() if wait.waiting else wait.deadline(timeout)
+    deadline = wait.until() if wait.waiting else wait.deadline(length)
     if not wait.waiting:
         wait.write(STEP_WAITING, {"child": child_id, "task": _task_name(signature, wait),
                                   "until": deadline})
@@ -374,8 +387,12 @@ def send_signal(task_id: str, name: str, payload: Any = None, *, app: Any = None
     are ignored (and this returns False). A run already waiting for the
     signal is sent again at once; one that has not reached the wait yet finds
     the signal there when it does. Raises :class:`~celery_duraflow.RunNotFound`
-    for an unknown task id.
+    for an unknown task id, and :class:`~celery_duraflow.InvalidTaskId` or
+    :class:`~celery_duraflow.InvalidStepName` (before the store is touched) for an
+    id or a name the store could not hold.
     """
+    check_task_id(task_id)
+    check_signal_name(task_id, name)
     app, config = app_and_config(app)
     store = store_for(config)
     run = store.get_run(task_id)
