@@ -84,7 +84,7 @@ def build_tables(prefix: str) -> Tables:
         *_v8_run_columns(),
     )
     steps = _v5_steps(prefix, metadata)
-    for column in _v7_step_columns():
+    for column in (*_v7_step_columns(), *_v9_step_columns()):
         steps.append_column(column)
     signals = _v6_signals(prefix, metadata)
     Index(f"{prefix}runs_status_updated", runs.c.status, runs.c.updated_at)
@@ -202,6 +202,18 @@ def _v8_indexes(runs: Table) -> list[tuple[str, tuple[Column[object], ...]]]:
         (f"{prefix}runs_created", (runs.c.created_at,)),
         (f"{prefix}runs_status_created", (runs.c.status, runs.c.created_at)),
         (f"{prefix}runs_task_created", (runs.c.task_name, runs.c.created_at)),
+    ]
+
+
+def _v9_step_columns() -> list[Column[object]]:
+    return [
+        # How the step's `with` body was left, so that a replay leaves it the same way:
+        # NULL when it ran to its end (and on every row from before version 9), 'return'
+        # (with the returned value in `returned`, written with the step's serializer),
+        # 'break' or 'continue'. On a failed step, 'fatal' marks a failure that no retry
+        # may run the body again for (an output that cannot be stored, say).
+        Column("body_exit", String(16), nullable=True),
+        Column("returned", Text, nullable=True),
     ]
 
 
@@ -327,6 +339,12 @@ def _v8_operations(conn: Connection, tables: Tables) -> None:
         Index(name, *columns).create(conn)
 
 
+def _v9_body_exits(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    for column in _v9_step_columns():
+        _add_column(conn, f"{prefix}steps", column)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -337,6 +355,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
     (6, "sleeps, signals and child runs", _v6_waits),
     (7, "code and input fingerprints", _v7_fingerprints),
     (8, "cancellation and compensation, listing indexes", _v8_operations),
+    (9, "how a step's body was left (return, break, continue, fatal)", _v9_body_exits),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

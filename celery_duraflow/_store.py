@@ -78,6 +78,13 @@ STEP_FAILED = "failed"
 # what it waits for and until when.
 STEP_WAITING = "waiting"
 
+# How a step's `with` body was left (the steps' body_exit column). NULL: it ran to its end.
+BODY_RETURN = "return"
+BODY_BREAK = "break"
+BODY_CONTINUE = "continue"
+# On a failed step: the failure is final, no later attempt may run the body by itself.
+BODY_FATAL = "fatal"
+
 _UNAVAILABLE: tuple[type[Exception], ...] = (
     OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)
 try:  # the hot path runs some statements on the psycopg connection itself
@@ -160,6 +167,8 @@ class StepRecord:
     position: int | None = None
     input_fingerprint: str | None = None
     code_fingerprint: str | None = None
+    body_exit: str | None = None
+    returned: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> StepRecord:
@@ -840,6 +849,13 @@ class Store:
                             f"and it comes before {from_step!r}, so a retry from there would "
                             f"replay its recorded output. Retry from {first[0]!r} or an "
                             "earlier step.", task_id=task_id, step_key=from_step)
+                # The steps around it failed with it (for good, if it did): they run again.
+                parts = from_step.split("/")
+                ancestors = ["/".join(parts[:n]) for n in range(1, len(parts))]
+                if ancestors:
+                    conn.execute(update(steps).where(
+                        steps.c.task_id == task_id, steps.c.step_key.in_(ancestors),
+                        steps.c.status != STEP_COMPLETED).values(body_exit=None))
                 conn.execute(steps.delete().where(
                     steps.c.task_id == task_id,
                     or_(steps.c.step_key == from_step,
@@ -1075,7 +1091,7 @@ class Store:
         }
         ended = ["task_id", "step_key", "status", "attempts", "output", "serializer",
                  "started_at", "completed_at", "position", "input_fingerprint",
-                 "code_fingerprint"]
+                 "code_fingerprint", "body_exit", "returned"]
         # A step with no row yet (every step of a first attempt) is one plain insert; the
         # upsert is only needed where a failed or claimed row exists.
         insert_new = from_params(ended, fence).on_conflict_do_nothing(
@@ -1099,6 +1115,8 @@ class Store:
                     "position": excluded.position,
                     "input_fingerprint": excluded.input_fingerprint,
                     "code_fingerprint": excluded.code_fingerprint,
+                    "body_exit": excluded.body_exit,
+                    "returned": excluded.returned,
                 },
                 # A completed step is final: nothing overwrites it.
                 where=steps.c.status != STEP_COMPLETED,
@@ -1150,29 +1168,33 @@ class Store:
                     serializer: str | None = None, error: str | None = None,
                     claimed: bool = False, new: bool = False,
                     position: int | None = None, input_fingerprint: str | None = None,
-                    code_fingerprint: str | None = None) -> bool:
+                    code_fingerprint: str | None = None, body_exit: str | None = None,
+                    returned: str | None = None) -> bool:
         """Write how a step ended, in one statement, if this owner still holds the run.
 
         An upsert on ``(task_id, step_key)``: it creates the row, or updates a
         failed (or claimed) one, but never a completed one. False means the
         lease is gone or the step was completed by someone else. A completion (or a wait)
         commits durably; a failure is written with asynchronous commit, since
-        losing it in a database crash only means the step runs again. ``new``
+        losing it in a database crash only means the step runs again (but a fatal
+        one, which must stop the body from running again, commits durably). ``new``
         says the attempt saw no row for the step: a completion is then a plain
         ``INSERT ... ON CONFLICT DO NOTHING``, the cheapest durable write.
         """
         completed = status == STEP_COMPLETED
-        durable = completed or status == STEP_WAITING
+        durable = completed or status == STEP_WAITING or body_exit == BODY_FATAL
         params = {"p_task_id": task_id, "p_owner": owner, "p_step_key": step_key,
                   "p_status": status, "p_output": output, "p_serializer": serializer,
                   "p_error": error, "p_started_at": started_at,
                   "p_completed_at": _now() if completed else None, "p_position": position,
                   "p_input_fingerprint": input_fingerprint,
                   "p_code_fingerprint": code_fingerprint,
+                  "p_body_exit": body_exit, "p_returned": returned,
                   # A claimed row already counted this attempt.
                   "p_increment": 0 if claimed else 1}
-        name = ("record_new" if new and not claimed else "record") if durable else (
-            "record_relaxed")
+        # A new completion (or wait) is the plain insert; a fatal failure keeps its error.
+        name = ("record_new" if new and not claimed and error is None else "record") if (
+            durable) else "record_relaxed"
         action = {STEP_COMPLETED: "recording the step output",
                   STEP_WAITING: "recording the wait"}.get(status, "recording the step failure")
         with self._write(action, task_id, step_key) as conn:
