@@ -33,34 +33,102 @@ import textwrap
 import threading
 import types
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from ._context import current_run
+from .errors import UnsupportedCode
+
+if TYPE_CHECKING:
+    from ._step import StepContext
 
 logger = logging.getLogger("celery_duraflow.rewrite")
 
 GUARD_NAME = "__duraflow_guard__"
+LEAVE_NAME = "__duraflow_leave__"
+# Codes of how a body is left (Block.left); the store keeps them as _store.BODY_* names.
+FELL, RETURNED, BROKE, CONTINUED = 0, 1, 2, 3
 _PREPARED_ATTR = "__duraflow_prepared__"
 _FACTORY_NAME = "__duraflow_factory__"
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def guard(fingerprint: str | None = None) -> bool:
-    """False when the innermost entered step was replayed from the store.
+class Block:
+    """One ``with`` statement's body as it runs: whether it runs, and how it is left.
+
+    ``left`` is one of FELL, RETURNED, BROKE or CONTINUED: set by the code the
+    rewrite adds where control leaves the body, and, for a body skipped on a
+    replay, taken from the record of the step, so the replay leaves the same way.
+    ``value`` is the returned value (as stored), ``data`` its stored text.
+    """
+
+    __slots__ = ("data", "left", "run", "steps", "value")
+
+    def __init__(self, run: bool, steps: list[StepContext]) -> None:
+        self.run = run
+        self.steps = steps
+        self.left = FELL
+        self.value: Any = None
+        self.data: str | None = None
+
+
+# The block of a `with` that entered no step (or ran outside a durable run): it runs, and
+# nothing reads how it is left, so one object serves them all.
+_PLAIN = Block(True, [])
+
+
+def guard(fingerprint: str | None = None, in_loop: bool = False,
+          suspends: bool = False) -> Block:
+    """The block of the ``with`` statement whose body starts now.
 
     Called at the top of every ``with`` body with the fingerprint of that
     body's code; the steps entered by that ``with`` statement take it (and a
-    replayed one compares it with the fingerprint it recorded).
+    replayed one compares it with the fingerprint it recorded). ``in_loop``
+    says whether the statement sits in a loop of its function (a recorded
+    ``break`` or ``continue`` can only be re-enacted there); ``suspends`` that
+    its body contains ``yield`` or ``await``, which no step body may.
     """
-    from ._context import current_run
-
     ctx = current_run.get()
-    if ctx is None or not ctx.stack:
-        return True
-    if ctx.entered:
-        entered, ctx.entered = ctx.entered, []
-        for step in entered:
-            step.code_seen(fingerprint)
-    return ctx.stack[-1]._should_run
+    if ctx is None or not ctx.entered:
+        return _PLAIN
+    entered, ctx.entered = ctx.entered, []
+    block = Block(ctx.stack[-1]._should_run, entered)
+    for step in entered:
+        step._block = block
+        step.code_seen(fingerprint)
+    innermost = entered[-1]
+    if suspends:
+        raise UnsupportedCode(
+            f"the body of step {innermost.key!r} in task {ctx.task_id} contains yield or "
+            "await, which would suspend the step half-way; a replay could not resume it "
+            "there. Compute the value inside the step and yield or await outside it.",
+            task_id=ctx.task_id, step_key=innermost.key)
+    if not block.run:
+        block.left, block.value = innermost._replayed_exit(in_loop)
+    return block
+
+
+def leave(blocks: tuple[Block, ...], how: int, value: Any = None) -> Any:
+    """Control leaves the bodies of ``blocks`` by return, break or continue.
+
+    Each block's steps record it when they end. A returned value goes
+    through the serializer first and what comes back is returned, as with
+    ``s.result``, so the first attempt and a replay return equal values.
+    """
+    if how == RETURNED:
+        for block in reversed(blocks):
+            running = [step for step in block.steps if step._running]
+            if running:
+                value, data = running[-1]._returning(value, blocks)
+                break
+        else:
+            data = None
+    else:
+        data = None
+    for block in blocks:
+        if block.steps:
+            block.left, block.data = how, data
+    return value
 
 
 # CPython 3.11 (3.11.7 here, at least) keeps one counter for every thread's AST
@@ -126,24 +194,211 @@ def code_fingerprint(fn: Any) -> str | None:
     return _code_fingerprint(code) if isinstance(code, types.CodeType) else None
 
 
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_LOOPS = (ast.For, ast.AsyncFor, ast.While)
+
+
+def _call(name: str, *args: ast.expr) -> ast.Call:
+    return ast.Call(func=ast.Name(id=name, ctx=ast.Load()), args=list(args), keywords=[])
+
+
+def _suspends(body: list[ast.stmt]) -> ast.Yield | ast.YieldFrom | ast.Await | None:
+    """The first yield, yield from or await in ``body`` that suspends this function."""
+    todo: list[ast.AST] = list(body)
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, ast.Yield | ast.YieldFrom | ast.Await):
+            return node
+        if not isinstance(node, _SCOPES):
+            todo.extend(ast.iter_child_nodes(node))
+    return None
+
+
+def _looks_like_step(node: ast.With) -> bool:
+    """``with step(...)`` (or ``x.step(...)``): a step beyond doubt."""
+    for item in node.items:
+        call = item.context_expr
+        if isinstance(call, ast.Call):
+            func = call.func
+            name = func.id if isinstance(func, ast.Name) else (
+                func.attr if isinstance(func, ast.Attribute) else None)
+            if name == "step":
+                return True
+    return False
+
+
+def _at_line_of(new: ast.expr | ast.stmt, where: ast.AST) -> None:
+    """Place a node the rewrite added on the first line of ``where``."""
+    ast.copy_location(new, where)
+    new.end_lineno, new.end_col_offset = new.lineno, new.col_offset
+
+
 class _GuardWithBodies(ast.NodeTransformer):
-    def __init__(self) -> None:
+    """Guard every ``with`` body, and record how control leaves it.
+
+    ``with ITEMS: BODY`` becomes::
+
+        with ITEMS:
+            __duraflow_wN__ = __duraflow_guard__(fingerprint, in_loop, suspends)
+            if __duraflow_wN__.run:
+                BODY         # return/break/continue leaving it tell __duraflow_leave__
+                __duraflow_wN__.left = 0
+            else:            # replayed: leave the way the recorded run left
+                if __duraflow_wN__.left == 1:
+                    return __duraflow_leave__((<enclosing blocks>, __duraflow_wN__), 1,
+                                              __duraflow_wN__.value)
+                elif __duraflow_wN__.left == 2: __duraflow_leave__(...); break
+                elif __duraflow_wN__.left == 3: __duraflow_leave__(...); continue
+
+    The ``break``/``continue`` arms exist only where the ``with`` sits in a
+    loop of its own function; in a class body only the guard is added.
+    """
+
+    def __init__(self, filename: str) -> None:
+        self.filename = filename
         self.count = 0
+        # The block variables of the `with` statements around the current node, in the
+        # current function, outermost first; and how many of them are outside the
+        # innermost loop (None: not in a loop).
+        self.blocks: list[str] = []
+        self.loop_start: int | None = None
+        self.in_class = False
+
+    def _scope(self, node: ast.AST, *, in_class: bool) -> ast.AST:
+        saved = self.blocks, self.loop_start, self.in_class
+        self.blocks, self.loop_start, self.in_class = [], None, in_class
+        try:
+            return self.generic_visit(node)
+        finally:
+            self.blocks, self.loop_start, self.in_class = saved
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.AST:
+        return self._scope(node, in_class=False)
+
+    def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> ast.AST:
+        return self._scope(node, in_class=False)
+
+    def visit_Lambda(self, node: ast.Lambda) -> ast.AST:
+        return self._scope(node, in_class=False)
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> ast.AST:
+        return self._scope(node, in_class=True)
+
+    def _loop(self, node: ast.For | ast.AsyncFor | ast.While) -> ast.AST:
+        saved = self.loop_start
+        self.loop_start = len(self.blocks)
+        node.body = self._statements(node.body)
+        self.loop_start = saved
+        # `else:` runs after the loop: a break in it belongs to an outer loop.
+        node.orelse = self._statements(node.orelse)
+        return node
+
+    visit_For = visit_AsyncFor = visit_While = _loop
+
+    def _statements(self, body: list[ast.stmt]) -> list[ast.stmt]:
+        out: list[ast.stmt] = []
+        for stmt in body:
+            new = self.visit(stmt)
+            out.extend(new if isinstance(new, list) else [new])
+        return out
+
+    def _leave(self, blocks: list[str], code: int, value: ast.expr | None,
+               where: ast.AST) -> ast.Call:
+        call = _call(LEAVE_NAME,
+                     ast.Tuple(elts=[ast.Name(id=b, ctx=ast.Load()) for b in blocks],
+                               ctx=ast.Load()),
+                     ast.Constant(value=code), value or ast.Constant(value=None))
+        for new in ast.walk(call):
+            if isinstance(new, ast.expr):
+                _at_line_of(new, where)
+        return call
+
+    def visit_Return(self, node: ast.Return) -> ast.AST:
+        self.generic_visit(node)
+        if not self.blocks:
+            return node
+        node.value = self._leave(self.blocks, RETURNED, node.value, node)
+        return node
+
+    def _jump(self, node: ast.Break | ast.Continue, code: int) -> ast.AST | list[ast.stmt]:
+        if self.loop_start is None or len(self.blocks) == self.loop_start:
+            return node
+        call = ast.Expr(value=self._leave(self.blocks[self.loop_start:], code, None, node))
+        ast.copy_location(call, node)
+        return [call, node]
+
+    def visit_Break(self, node: ast.Break) -> ast.AST | list[ast.stmt]:
+        return self._jump(node, BROKE)
+
+    def visit_Continue(self, node: ast.Continue) -> ast.AST | list[ast.stmt]:
+        return self._jump(node, CONTINUED)
 
     def visit_With(self, node: ast.With) -> ast.With:
         # The body as written, before the guards of the `with` blocks inside it.
         fingerprint = ast.Constant(value=fingerprint_nodes(node.body))
-        self.generic_visit(node)
-        call = ast.Call(func=ast.Name(id=GUARD_NAME, ctx=ast.Load()), args=[fingerprint],
-                        keywords=[])
-        test = ast.If(test=call, body=node.body, orelse=[])
-        # The guard belongs to the `with` line, so a skipped body marks none of its lines run.
-        for new in (test, call, call.func, fingerprint):
-            ast.copy_location(new, node)
-            new.end_lineno, new.end_col_offset = node.lineno, node.col_offset
-        node.body = [test]
-        self.count += 1
+        suspends = _suspends(node.body)
+        if suspends is not None and _looks_like_step(node):
+            what = {ast.Yield: "yield", ast.YieldFrom: "yield from", ast.Await: "await"}[
+                type(suspends)]
+            raise UnsupportedCode(
+                f"`{what}` inside the body of `with step(...)` at {self.filename}:"
+                f"{suspends.lineno} would suspend the step half-way, and a replay could not "
+                "resume it there. Compute the value inside the step and yield or await "
+                "outside it, or split the work into two steps.")
+        node.items = [self.visit(item) for item in node.items]
+        in_loop = self.loop_start is not None
+        guard = _call(GUARD_NAME, fingerprint, ast.Constant(value=in_loop),
+                      ast.Constant(value=suspends is not None))
+        if self.in_class:
+            node.body = self._statements(node.body)
+            test: ast.stmt = ast.If(test=ast.Attribute(value=guard, attr="run",
+                                                       ctx=ast.Load()),
+                                    body=node.body, orelse=[])
+            new_body = [test]
+        else:
+            name = f"__duraflow_w{self.count}__"
+            self.count += 1
+            self.blocks.append(name)
+            body = self._statements(node.body)
+            self.blocks.pop()
+            block = ast.Name(id=name, ctx=ast.Load())
+            fell = ast.Assign(
+                targets=[ast.Attribute(value=ast.Name(id=name, ctx=ast.Load()), attr="left",
+                                       ctx=ast.Store())],
+                value=ast.Constant(value=FELL))
+            replay: list[ast.stmt] = [ast.If(
+                test=ast.Compare(left=ast.Attribute(value=block, attr="left", ctx=ast.Load()),
+                                 ops=[ast.Eq()], comparators=[ast.Constant(value=RETURNED)]),
+                body=[ast.Return(value=self._leave(
+                    [*self.blocks, name], RETURNED,
+                    ast.Attribute(value=block, attr="value", ctx=ast.Load()), node))],
+                orelse=[])]
+            if in_loop:
+                assert self.loop_start is not None
+                for code, jump in ((BROKE, ast.Break()), (CONTINUED, ast.Continue())):
+                    replay.append(ast.If(
+                        test=ast.Compare(left=ast.Attribute(value=block, attr="left",
+                                                            ctx=ast.Load()),
+                                         ops=[ast.Eq()], comparators=[ast.Constant(value=code)]),
+                        body=[ast.Expr(value=self._leave([*self.blocks[self.loop_start:], name],
+                                                         code, None, node)), jump],
+                        orelse=[]))
+            test = ast.If(test=ast.Attribute(value=block, attr="run", ctx=ast.Load()),
+                          body=[*body, fell], orelse=replay)
+            new_body = [ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=guard),
+                        test]
+        # What was added belongs to the `with` line, so a skipped body marks none of its
+        # lines run (nor do the lines that re-enact a recorded return, break or continue).
+        for stmt in new_body:
+            for new in ast.walk(stmt):
+                if isinstance(new, ast.expr | ast.stmt) and not hasattr(new, "lineno"):
+                    _at_line_of(new, node)
+        node.body = new_body
         return node
+
+
+# What the prepared code calls, passed in through closure cells, never through globals.
+_RUNTIME: dict[str, Callable[..., Any]] = {GUARD_NAME: guard, LEAVE_NAME: leave}
 
 
 def _has_with(node: ast.AST) -> bool:
@@ -195,20 +450,19 @@ def _rewrite(fn: types.FunctionType) -> types.FunctionType | None:
         return None
     func.decorator_list = []
     ast.increment_lineno(func, first_line - (2 if indented else 1))
-    _GuardWithBodies().visit(func)
+    _GuardWithBodies(filename).visit(func)
 
     # Compile inside a factory whose parameters are the function's free variables
     # (plus the guard), so that the compiler gives the new code the same closure
-    # layout; inside a class of the same name when it is a method, for name mangling.
-    holder: ast.stmt = func
-    owner = _enclosing_class(fn)
-    if owner is not None:
-        holder = ast.ClassDef(name=owner, bases=[], keywords=[], body=[func],
-                              decorator_list=[])
-    freevars = [name for name in fn.__code__.co_freevars if name != GUARD_NAME]
+    # layout. The def sits in a class body, whose names no function sees: a function
+    # that calls itself by its (global) name keeps finding it among the globals. The
+    # class has the method's class name, for name mangling, or "_", which mangles nothing.
+    holder = ast.ClassDef(name=_enclosing_class(fn) or "_", bases=[], keywords=[],
+                          body=[func], decorator_list=[])
+    freevars = [name for name in fn.__code__.co_freevars if name not in _RUNTIME]
     factory = ast.FunctionDef(
         name=_FACTORY_NAME,
-        args=ast.arguments(posonlyargs=[], args=[ast.arg(arg=n) for n in [*freevars, GUARD_NAME]],
+        args=ast.arguments(posonlyargs=[], args=[ast.arg(arg=n) for n in [*freevars, *_RUNTIME]],
                            kwonlyargs=[], kw_defaults=[], defaults=[]),
         body=[holder],
         decorator_list=[],
@@ -227,7 +481,7 @@ def _rewrite(fn: types.FunctionType) -> types.FunctionType | None:
         return None
 
     cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
-    cells[GUARD_NAME] = types.CellType(guard)
+    cells.update((name, types.CellType(runtime)) for name, runtime in _RUNTIME.items())
     try:
         closure = tuple(cells[name] for name in new_code.co_freevars)
     except KeyError:  # pragma: no cover - the compiler found a free name the original did not
@@ -279,4 +533,23 @@ def durable(fn: F) -> F:
     """
     if not isinstance(fn, types.FunctionType):
         raise TypeError(f"@durable decorates plain functions, got {fn!r}")
+    refuse_async(fn, "@durable")
     return prepare(fn)
+
+
+def refuse_async(fn: Callable[..., Any], what: str) -> None:
+    """Refuse a coroutine function (or async generator) where it is defined.
+
+    Celery calls a task's ``run`` and waits for what it returns, so an
+    ``async def`` body would only hand back a coroutine that nothing runs;
+    and a step's run context does not follow an event loop's tasks.
+    """
+    target = inspect.unwrap(fn)
+    if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
+        code = getattr(target, "__code__", None)
+        where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+        raise UnsupportedCode(
+            f"{what} on async def {fn.__qualname__}(){where}: Celery calls tasks "
+            "synchronously, so its body would never run. Write the task as a plain def and "
+            "run the async code inside it with asyncio.run(...), or put each side effect "
+            "in a step(...).run(fn) of a plain function.")

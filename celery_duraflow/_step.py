@@ -12,11 +12,24 @@ from typing import Any, ParamSpec, TypeVar
 
 from ._context import RunContext, Suspended, Unwind, current_run, describe
 from ._lease import keeper
-from ._rewrite import GUARD_NAME, code_fingerprint
-from ._store import STEP_COMPLETED, STEP_FAILED, STEP_RUNNING, StepRecord
+from ._limits import shown
+from ._rewrite import BROKE, CONTINUED, FELL, GUARD_NAME, RETURNED, Block, code_fingerprint
+from ._serialization import decode, find_unstorable
+from ._store import (
+    BODY_BREAK,
+    BODY_CONTINUE,
+    BODY_FATAL,
+    BODY_RETURN,
+    STEP_COMPLETED,
+    STEP_FAILED,
+    STEP_RUNNING,
+    StepRecord,
+)
 from .errors import (
+    DuraflowError,
     InvalidStepName,
     LeaseLost,
+    NonDeterministicReplay,
     NotInDurableTask,
     StepCodeChanged,
     StepConflict,
@@ -39,6 +52,14 @@ _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d4c1e-2b7a-5d3e-9c4f-0a8b7e6d5c4b")
 
 
 _EPOCH = datetime.fromtimestamp(0, UTC)
+# How a body was left (Block.left) <-> the steps' body_exit column.
+_EXITS = {FELL: None, RETURNED: BODY_RETURN, BROKE: BODY_BREAK, CONTINUED: BODY_CONTINUE}
+_LEFT = {name: code for code, name in _EXITS.items() if name is not None}
+# The errors a fatal step record is raised as again; a row names one of these by its
+# class name and selects nothing else.
+_FATAL_ERRORS: dict[str, type[DuraflowError]] = {
+    cls.__name__: cls for cls in (StepOutputNotSerializable, InvalidStepName,
+                                  NonDeterministicReplay, StepCodeChanged, StepInputChanged)}
 # step(..., input=) left out: no input fingerprint (None is an input like any other).
 _NO_INPUT: Any = object()
 
@@ -62,8 +83,8 @@ def check_name(name: object, ctx: RunContext | None) -> str:
         problem = "contains control characters"
     if problem:
         raise InvalidStepName(
-            f"step name {name!r}{where} {problem}. Give each step a short, stable name such as "
-            "'book-flight'; repeated names are numbered for you ('book-flight#2').",
+            f"step name {shown(name)}{where} {problem}. Give each step a short, stable name "
+            "such as 'book-flight'; repeated names are numbered for you ('book-flight#2').",
             task_id=ctx.task_id if ctx else None,
             step_key=name,
         )
@@ -95,6 +116,7 @@ class StepContext:
     """
 
     __slots__ = (
+        "_block",
         "_claimed",
         "_code_fp",
         "_compensate",
@@ -103,6 +125,7 @@ class StepContext:
         "_input_fp",
         "_new",
         "_on_in_doubt",
+        "_refusal",
         "_running",
         "_should_run",
         "_started_at",
@@ -154,6 +177,10 @@ class StepContext:
         self._started_at = _EPOCH
         self._entered = False
         self._should_run = True
+        # The `with` block this step was entered by (None for .run()): how its body is left.
+        self._block: Block | None = None
+        # The error that made this step's end unstorable: it fails the run for good.
+        self._refusal: BaseException | None = None
 
     def __repr__(self) -> str:
         state = "cached" if self.cached else ("running" if self._entered else "new")
@@ -229,6 +256,8 @@ class StepContext:
         if keeper().lost(ctx.task_id, ctx.owner):
             raise self._lease_lost()
         prior = ctx.recorded.get(self.key)
+        if prior is not None and prior.body_exit == BODY_FATAL:
+            raise self._fatal_again(prior)
         if prior is not None and prior.status == STEP_COMPLETED:
             self._use_stored(prior)
             if self._compensate is not None:
@@ -359,6 +388,14 @@ class StepContext:
             # A wait inside this step suspended the run: the step has not ended. The next
             # attempt enters it again, and its finished children answer from the store.
             return
+        if exc is not None and (exc is self._refusal or exc is ctx.fatal):
+            # Nothing a retry does can change this end: the body must not run again.
+            self._record(STEP_FAILED, error=_error_text(exc), body_exit=BODY_FATAL)
+            ctx.failed_step = self.key
+            if step_failed.receivers:
+                step_failed.send(sender=ctx.task, task_id=ctx.task_id, step_key=self.key,
+                                 attempt=self.attempt, exception=exc)
+            return
         if exc is not None:
             try:
                 self._record(STEP_FAILED, error=_error_text(exc))
@@ -377,16 +414,13 @@ class StepContext:
             data = ctx.serializer.dumps(self.result)
             value = ctx.serializer.loads(data)
         except Exception as error:
-            self._record(STEP_FAILED, error=f"output not serializable: {_error_text(error)}")
-            raise StepOutputNotSerializable(
-                f"the output of step {self.key!r} in task {ctx.task_id} cannot be stored with "
-                f"the {ctx.serializer_name!r} serializer ({error}); the output was "
-                f"{describe(self.result)}. Return plain data (dicts, lists, strings, numbers, "
-                "datetimes, Decimals, UUIDs, bytes) or configure duraflow_serializer.",
-                task_id=ctx.task_id,
-                step_key=self.key,
-            ) from error
-        self._record(STEP_COMPLETED, output=data)
+            refused = self._unstorable(self.result, "result", error)
+            self._record(STEP_FAILED, error=_error_text(refused), body_exit=BODY_FATAL)
+            raise refused from error
+        block = self._block
+        left = block.left if block is not None else FELL
+        self._record(STEP_COMPLETED, output=data, body_exit=_EXITS[left],
+                     returned=block.data if block is not None and left == RETURNED else None)
         # Hand back what a replay will see, so the first attempt and replays agree.
         self.result = value
         if self._compensate is not None:
@@ -397,16 +431,90 @@ class StepContext:
                 sender=ctx.task, task_id=ctx.task_id, step_key=self.key, attempt=self.attempt,
                 duration=(datetime.now(UTC) - self._started_at).total_seconds())
 
-    def _record(self, status: str, *, output: str | None = None,
-                error: str | None = None) -> None:
+    def _record(self, status: str, *, output: str | None = None, error: str | None = None,
+                body_exit: str | None = None, returned: str | None = None) -> None:
         ctx = self._ctx
+        stored = output is not None or returned is not None
         if not ctx.store.record_step(
                 ctx.task_id, self.key, ctx.owner, status=status, started_at=self._started_at,
-                output=output, serializer=ctx.serializer_name if output is not None else None,
+                output=output, serializer=ctx.serializer_name if stored else None,
                 error=error, claimed=self._claimed, new=self._new, position=self.position,
-                input_fingerprint=self._input_fp, code_fingerprint=self._code_fp):
+                input_fingerprint=self._input_fp, code_fingerprint=self._code_fp,
+                body_exit=body_exit, returned=returned):
             self._lost_record()
         ctx.recorded_any = True
+
+    def _unstorable(self, value: Any, what: str, error: Exception) -> StepOutputNotSerializable:
+        """The error for a value of this step that the serializer refuses; it is fatal.
+
+        Retrying would only run the body (and its side effect) again and fail
+        the same way, so the run fails for good, as with a divergence.
+        """
+        ctx = self._ctx
+        found = find_unstorable(value, ctx.serializer, root=what)
+        where = (f"{found[0]} is {found[1]}, which" if found is not None
+                 else f"{describe(value)}, which")
+        reason = str(error).splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        refused = StepOutputNotSerializable(
+            f"the {what} of step {self.key!r} in task {ctx.task_id} cannot be stored: {where} "
+            f"the {ctx.serializer_name!r} serializer refuses ({reason}). The step's body ran "
+            "but its end could not be recorded, so the run fails for good instead of running "
+            "the body again on a retry. Return plain data (dicts, lists, strings, numbers, "
+            "datetimes, Decimals, UUIDs, bytes) or configure duraflow_serializer; once the "
+            "side effect is checked, `celery duraflow retry --from-step "
+            f"{self.key}` runs it again on purpose.",
+            task_id=ctx.task_id,
+            step_key=self.key,
+        )
+        ctx.fatal = refused
+        return refused
+
+    def _returning(self, value: Any, blocks: tuple[Block, ...]) -> tuple[Any, str]:
+        """A value returned from this step's body: as the store gives it back, and as text."""
+        ctx = self._ctx
+        try:
+            data = ctx.serializer.dumps(value)
+            return ctx.serializer.loads(data), data
+        except Exception as error:
+            refused = self._unstorable(value, "returned value", error)
+            # Every step the return leaves ends with this error, and fails for good.
+            for block in blocks:
+                for step in block.steps:
+                    step._refusal = refused
+            raise refused from error
+
+    def _replayed_exit(self, in_loop: bool) -> tuple[int, Any]:
+        """How the recorded run left this (replayed) step's body, and what it returned."""
+        ctx = self._ctx
+        record = ctx.recorded.get(self.key)
+        left = _LEFT.get(record.body_exit, FELL) if record and record.body_exit else FELL
+        if left == RETURNED and record is not None:
+            return left, decode(record.returned, record.serializer, ctx.serializer_name,
+                                task_id=ctx.task_id, step_key=self.key)
+        if left in (BROKE, CONTINUED) and not in_loop:
+            word = _EXITS[left]
+            ctx.diverged(NonDeterministicReplay(
+                f"step {self.key!r} of task {ctx.task_id} ({ctx.task_name}) left its loop with "
+                f"`{word}` when it ran, but the code that reaches it now has no loop around "
+                "it, so the replay cannot go on the way the run went.",
+                task_id=ctx.task_id, step_key=self.key, position=self.position,
+                recorded_key=self.key, reached_key=self.key))
+            return FELL, None
+        return left, None
+
+    def _fatal_again(self, record: StepRecord) -> DuraflowError:
+        """A step that failed for good is reached again: raise its error, run nothing."""
+        ctx = self._ctx
+        name, _, text = (record.error or "").partition(": ")
+        cls = _FATAL_ERRORS.get(name.rpartition(".")[2], DuraflowError)
+        error = cls(
+            f"{text or 'the step failed for good'} (Recorded when step {self.key!r} of task "
+            f"{ctx.task_id} failed for good; its body is not run again by a retry. Retry the "
+            f"run from this step on purpose with `celery duraflow retry {ctx.task_id} "
+            f"--from-step {self.key}`.)",
+            task_id=ctx.task_id, step_key=self.key)
+        ctx.fatal = error
+        return error
 
     def _lost_record(self) -> None:
         """The end of the step could not be written: say why."""
@@ -430,8 +538,6 @@ class StepContext:
 
 
 def _decode(ctx: RunContext, record: StepRecord) -> Any:
-    from ._serialization import decode
-
     return decode(record.output, record.serializer, ctx.serializer_name,
                   task_id=ctx.task_id, step_key=record.key)
 

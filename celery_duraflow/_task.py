@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import random
 import types
@@ -16,7 +17,8 @@ from ._compensation import unwind
 from ._config import Config, config_for_app
 from ._context import RunContext, Suspended, Unwind, current_run, describe
 from ._lease import keeper, new_owner, owner_is_gone
-from ._rewrite import code_fingerprint, prepare
+from ._limits import check_task_id
+from ._rewrite import code_fingerprint, prepare, refuse_async
 from ._serialization import Serializer, decode, encode_arguments, get_serializer
 from ._signals import install_signal_handlers
 from ._store import FAILED, SUCCEEDED, Delivery, RunRecord, StepRecord, Store, store_for
@@ -27,6 +29,7 @@ from .errors import (
     RunCancelled,
     StepOutputNotSerializable,
     StoreUnavailable,
+    UnsupportedCode,
 )
 
 logger = logging.getLogger("celery_duraflow.task")
@@ -50,6 +53,14 @@ class DurableTask(Task):  # type: ignore[misc]
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         run = cls.__dict__.get("run")
+        function = run.__func__ if isinstance(run, staticmethod) else run
+        if callable(function):
+            refuse_async(function, f"DurableTask {cls.__qualname__}")
+            if inspect.isgeneratorfunction(inspect.unwrap(function)):
+                raise UnsupportedCode(
+                    f"DurableTask {cls.__qualname__}: its run() is a generator function, so "
+                    "Celery would store the generator, not what it yields, and the run would "
+                    "end before its steps ran. Return a list instead.")
         if isinstance(run, staticmethod):
             cls.run = staticmethod(prepare(run.__func__))
         elif isinstance(run, types.FunctionType):
@@ -66,8 +77,6 @@ class DurableTask(Task):  # type: ignore[misc]
             # Called like a function (task(...)): no id, so no run of its own. Inside a
             # durable run its steps join that run, like a @durable helper's would.
             return super().__call__(*args, **kwargs)
-        from ._limits import check_task_id
-
         check_task_id(task_id)  # before anything is recorded or run
 
         config = config_for_app(self._get_app())

@@ -23,6 +23,29 @@ def fail_first(counter: Counter[str], key: str, times: int = 1) -> None:
         raise Flaky(f"{key} fails on call {counter[key]}")
 
 
+@durable
+def _countdown(n: int) -> int:
+    """A recursive helper: it reaches itself through the module's globals."""
+    if n == 0:
+        return 0
+    with step(f"level{n}") as s:
+        s.result = _countdown(n - 1) + 1
+    return int(s.result)
+
+
+def test_recursive_helper_is_prepared(sqlite_app: Celery) -> None:
+    """A @durable function that calls itself by name is prepared, steps nested per call."""
+    @sqlite_app.task(base=DurableTask)
+    def task() -> Any:
+        return _countdown(3)
+
+    result = task.apply()
+    assert result.get() == 3
+    run = get_run(result.id, app=sqlite_app)
+    assert run is not None
+    assert [s.key for s in run.steps] == ["level3", "level3/level2", "level3/level2/level1"]
+
+
 def test_one_line_body_is_skipped_on_retry(sqlite_app: Celery) -> None:
     """A body written on the `with` line itself does not run again."""
     calls: Counter[str] = Counter()

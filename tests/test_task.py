@@ -194,7 +194,7 @@ def test_outputs_round_trip_rich_types(make_app: Callable[..., Celery]) -> None:
 
 
 def test_unserializable_output_is_refused(make_app: Callable[..., Celery]) -> None:
-    """A set cannot be stored: clear error, step not completed, retry runs it again."""
+    """A set cannot be stored: clear error, step failed for good, no retry runs it again."""
     app = make_app()
     calls: Counter[str] = Counter()
 
@@ -206,11 +206,12 @@ def test_unserializable_output_is_refused(make_app: Callable[..., Celery]) -> No
         return s.result
 
     result = task.apply()
-    assert result.get() == [1, 2]
-    assert calls["make-set"] == 2
+    assert isinstance(result.result, StepOutputNotSerializable)
+    assert calls["make-set"] == 1
     run = get_run(result.id, app=app)
     assert run is not None
-    assert run.step("make-set").attempts == 2
+    assert run.status == "failed"
+    assert run.step("make-set").attempts == 1
 
     @app.task(base=DurableTask, name="always-set")
     def always() -> None:

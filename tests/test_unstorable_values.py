@@ -299,3 +299,44 @@ def test_nan_sent_through_a_broker_is_refused_by_the_worker(
     assert result.id in str(info.value) and "args[0]" in str(info.value)
     assert calls["body"] == 0
     assert get_run(result.id, app=app) is None
+
+
+def test_unstorable_output_fails_for_good_and_is_only_run_again_on_purpose(
+        make_app: Callable[..., Celery]) -> None:
+    """A refused output is never run again by a delivery; retry --from-step runs it again."""
+    from celery_duraflow import StepOutputNotSerializable, retry_run
+    from tests.conftest import wait_for_status
+
+    app = make_app(eager=False)
+    calls: Counter[str] = Counter()
+    mode = {"bad": True}
+
+    @app.task(base=DurableTask, autoretry_for=(Exception,), max_retries=2,
+              default_retry_delay=0)
+    def book() -> Any:
+        with step("trip"):
+            with step("book") as s:
+                calls["book"] += 1
+                s.result = {"seats": {1, 2}} if mode["bad"] else {"seats": [1, 2]}
+        return s.result
+
+    first = book.apply()
+    assert isinstance(first.result, StepOutputNotSerializable)
+    assert 'result["seats"] is set' in str(first.result)
+    assert calls["book"] == 1
+    # The same task id delivered again (a redelivery, a re-send by hand): nothing runs.
+    again = book.apply(task_id=first.id)
+    assert isinstance(again.result, StepOutputNotSerializable), again.result
+    assert "failed for good" in str(again.result) and "--from-step trip/book" in str(again.result)
+    assert calls["book"] == 1
+    run = get_run(first.id, app=app)
+    assert run is not None and run.status == "failed"
+    assert [(s.key, s.status, s.attempts) for s in run.steps] == [
+        ("trip", "failed", 1), ("trip/book", "failed", 1)]
+
+    mode["bad"] = False  # the operator fixed the code and checked the booking
+    with run_worker(app):
+        retry_run(first.id, from_step="trip/book", app=app)
+        run = wait_for_status(app, first.id, "succeeded")
+    assert run.result == {"seats": [1, 2]}
+    assert calls["book"] == 2
