@@ -7,6 +7,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._limits import check_key
 from .errors import DuraflowError, NonDeterministicReplay
 
 logger = logging.getLogger("celery_duraflow.replay")
@@ -127,8 +128,6 @@ class RunContext:
         runs or anything is written, and ends the run for good: a retry would reach
         the same key.
         """
-        from ._limits import check_key
-
         parent = self.stack[-1].key if self.stack else ""
         count = self.occurrences.get((parent, name), 0) + 1
         key = name if count == 1 else f"{name}#{count}"

@@ -24,9 +24,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from ._context import current_run
+from ._limits import check_key
 from ._step import check_name
 from ._store import STEP_COMPLETED
-from .errors import LeaseLost, NotInDurableTask
+from .errors import DuraflowError, LeaseLost, NotInDurableTask
 
 # Markers are stored as completed steps under this prefix.
 MARKER_PREFIX = "patched:"
@@ -52,6 +53,11 @@ def patched(name: str) -> bool:
     count = ctx.occurrences.get((parent, marker), 0) + 1
     key = marker if count == 1 else f"{marker}#{count}"
     key = f"{parent}/{key}" if parent else key
+    try:
+        check_key(ctx.task_id, key)
+    except DuraflowError as error:
+        ctx.fatal = error  # the same code reaches the same key on every retry
+        raise
     record = ctx.recorded.get(key)
     if record is None and ctx.recorded_at(parent, ctx.reached.get(parent, 0) + 1) is not None:
         # The old code recorded a step at the place this marker is reached: it went past

@@ -329,11 +329,13 @@ def _start_child(wait: _Wait, signature: Any, child_id: str) -> None:
     options = dict(getattr(signature, "options", {}) or {})
     args = tuple(getattr(signature, "args", ()) or ())
     kwargs = dict(getattr(signature, "kwargs", {}) or {})
-    blob, _ = encode_arguments(args, kwargs, ctx.serializer)
+    task_name = _task_name(signature, wait)
+    blob, _ = encode_arguments(args, kwargs, ctx.serializer, task_id=child_id,
+                               task_name=task_name, serializer_name=ctx.serializer_name)
     queue = options.get("queue")
     routing_key = options.get("routing_key") or (queue if isinstance(queue, str) else None)
     exchange = options.get("exchange")
-    ctx.store.create_child_run(child_id, task_name=_task_name(signature, wait),
+    ctx.store.create_child_run(child_id, task_name=task_name,
                                parent_id=ctx.task_id, args=blob,
                                exchange=exchange if isinstance(exchange, str) else None,
                                routing_key=routing_key)
