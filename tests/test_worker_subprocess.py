@@ -162,3 +162,43 @@ def test_redelivered_succeeded_run_returns_recorded_result(worker: Worker) -> No
     assert [(s.key, s.attempts) for s in after.steps] == [
         ("search", 1), ("pick", 1), ("book", 1), ("notify", 2)
     ], log
+
+
+def _failure(worker: Worker, result: AsyncResult) -> BaseException:
+    try:
+        value = result.get(timeout=RESULT_TIMEOUT, propagate=True)
+    except Exception as exc:
+        return exc
+    pytest.fail(f"run {result.id} succeeded with {value!r}; it should have failed.\n"
+                f"worker log tail:\n{worker.log_tail()}", pytrace=False)
+
+
+def test_unstorable_output_under_autoretry_books_once(worker: Worker) -> None:
+    """autoretry_for=(Exception,) never re-runs a body whose output could not be stored."""
+    result = worker.client.signature(
+        "proj.book_unstorable", args=("user-x", "LIS-OPO")).apply_async(queue=worker.queue)
+    error = _failure(worker, result)
+    log = worker.log_tail()
+    assert type(error).__name__ == "StepOutputNotSerializable", log
+    assert result.id in str(error) and "'book'" in str(error), log
+    assert 'result["booking"] is Booking' in str(error), log
+    assert worker.charges_per_run() == {result.id: 1}, log
+    run = get_run(result.id, app=worker.client)
+    assert run is not None and run.status == "failed", log
+    assert [(s.key, s.status, s.attempts) for s in run.steps] == [("book", "failed", 1)], log
+    assert f"[{result.id}] retry:" not in log, log
+
+
+def test_nested_key_too_long_is_refused_before_the_charge(worker: Worker) -> None:
+    """A nested key PostgreSQL cannot hold is refused before the leaf body, with no retry."""
+    result = worker.client.signature(
+        "proj.book_deep", args=("user-y", "LIS-MAD", 6)).apply_async(queue=worker.queue)
+    error = _failure(worker, result)
+    log = worker.log_tail()
+    assert type(error).__name__ == "InvalidStepName", log
+    assert result.id in str(error), log
+    assert "DataError" not in log and "StringDataRightTruncation" not in log, log
+    assert worker.charges_per_run() == {}, log
+    run = get_run(result.id, app=worker.client)
+    assert run is not None and run.status == "failed", log
+    assert f"[{result.id}] retry:" not in log, log
