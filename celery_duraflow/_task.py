@@ -19,7 +19,13 @@ from ._context import RunContext, Suspended, Unwind, current_run, describe
 from ._lease import keeper, new_owner, owner_is_gone
 from ._limits import check_task_id
 from ._rewrite import code_fingerprint, prepare, refuse_async
-from ._serialization import Serializer, decode, encode_arguments, get_serializer
+from ._serialization import (
+    Serializer,
+    decode,
+    encode_arguments,
+    find_unstorable,
+    get_serializer,
+)
 from ._signals import install_signal_handlers
 from ._store import FAILED, SUCCEEDED, Delivery, RunRecord, StepRecord, Store, store_for
 from ._waits import wake_parent
@@ -176,8 +182,11 @@ class DurableTask(Task):  # type: ignore[misc]
         try:
             data = serializer.dumps(result)
         except Exception as error:
+            found = find_unstorable(result, serializer, root="result")
+            what = (f"{describe(result)}, in which {found[0]} is {found[1]}" if found
+                    else describe(result))
             refused = StepOutputNotSerializable(
-                f"task {task_id} ({self.name}) returned {describe(result)}, which the "
+                f"task {task_id} ({self.name}) returned {what}, which the "
                 f"{config.serializer!r} serializer cannot store ({error}). Return plain data, or "
                 "configure duraflow_serializer.",
                 task_id=task_id,

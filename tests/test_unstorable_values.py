@@ -340,3 +340,21 @@ def test_unstorable_output_fails_for_good_and_is_only_run_again_on_purpose(
         run = wait_for_status(app, first.id, "succeeded")
     assert run.result == {"seats": [1, 2]}
     assert calls["book"] == 2
+
+
+def test_unstorable_task_result_says_where(make_app: Callable[..., Celery]) -> None:
+    """A task result the serializer refuses is named by its place in the value."""
+    from celery_duraflow import StepOutputNotSerializable
+
+    app = make_app()
+
+    @app.task(base=DurableTask)
+    def report() -> Any:
+        return {"rows": [1, {"seen": {2, 3}}]}
+
+    result = report.apply()
+    assert isinstance(result.result, StepOutputNotSerializable)
+    assert 'result["rows"][1]["seen"] is set' in str(result.result)
+    assert result.id in str(result.result)
+    run = get_run(result.id, app=app)
+    assert run is not None and run.status == "failed"
