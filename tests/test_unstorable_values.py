@@ -314,10 +314,9 @@ def test_unstorable_output_fails_for_good_and_is_only_run_again_on_purpose(
     @app.task(base=DurableTask, autoretry_for=(Exception,), max_retries=2,
               default_retry_delay=0)
     def book() -> Any:
-        with step("trip"):
-            with step("book") as s:
-                calls["book"] += 1
-                s.result = {"seats": {1, 2}} if mode["bad"] else {"seats": [1, 2]}
+        with step("trip"), step("book") as s:
+            calls["book"] += 1
+            s.result = {"seats": {1, 2}} if mode["bad"] else {"seats": [1, 2]}
         return s.result
 
     first = book.apply()
