@@ -19,6 +19,9 @@ DEFAULT_TABLE_PREFIX = "duraflow_"
 DEFAULT_SERIALIZER = "json"
 DEFAULT_LEASE_SECONDS = 30.0
 DEFAULT_ETA_THRESHOLD = 60.0
+# How long a store that cannot be reached is waited out (re-sending the task with
+# backoff) before the task fails with StoreUnavailable.
+DEFAULT_STORE_OUTAGE_TIMEOUT = 300.0
 
 _PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
 
@@ -40,6 +43,11 @@ class Config:
     # What a replay does when the code no longer matches the record: "fail" or "warn".
     on_divergence: str = "fail"
     on_code_change: str = "warn"
+    store_outage_timeout: float = DEFAULT_STORE_OUTAGE_TIMEOUT
+    # Serializer names a stored row may carry besides ``serializer``: rows written with
+    # them are read; a row naming anything else is unreadable. Nothing is imported
+    # because a row names it.
+    accept_serializers: tuple[str, ...] = ()
 
 
 def _policy(value: Any, key: str, default: str) -> str:
@@ -146,6 +154,17 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
             f"duraflow_engine_options must be a dict of create_engine() arguments, got {options!r}."
         )
 
+    accept = _setting(conf, "accept_serializers")
+    if accept is None:
+        accept = ()
+    elif isinstance(accept, str):
+        accept = tuple(name.strip() for name in accept.split(",") if name.strip())
+    if not isinstance(accept, list | tuple | set | frozenset) or not all(
+            isinstance(name, str) and name for name in accept):
+        raise ConfigurationError(
+            "duraflow_accept_serializers must be a list of serializer names (such as "
+            f"['json', 'pickle']), got {accept!r}.")
+
     return Config(
         database_url=url,
         table_prefix=prefix,
@@ -160,6 +179,10 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
                               "fail"),
         on_code_change=_policy(_setting(conf, "on_code_change"), "duraflow_on_code_change",
                                "warn"),
+        store_outage_timeout=_as_float(
+            _setting(conf, "store_outage_timeout"), "duraflow_store_outage_timeout",
+            DEFAULT_STORE_OUTAGE_TIMEOUT, minimum=0.0),
+        accept_serializers=tuple(sorted(set(accept))),
     )
 
 
