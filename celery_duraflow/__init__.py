@@ -40,6 +40,7 @@ from .errors import (
     StepInputChanged,
     StepNotPrepared,
     StepOutputNotSerializable,
+    StoreMisconfigured,
     StoreUnavailable,
     UnsupportedCode,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "StepNotPrepared",
     "StepOutputNotSerializable",
     "StepView",
+    "StoreMisconfigured",
     "StoreUnavailable",
     "UnsupportedCode",
     "__version__",

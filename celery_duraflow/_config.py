@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from collections.abc import Mapping
@@ -27,6 +28,21 @@ _PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
 
 # The attribute under which the parsed config is cached on the Celery app.
 _CACHE_ATTR = "_duraflow_config"
+
+# Every setting there is (``duraflow_<key>`` in app.conf, ``CELERY_DURAFLOW_<KEY>`` with the
+# CELERY namespace, ``DURAFLOW_<KEY>`` in the environment). A key not in this list is a
+# typo, and a typo must not quietly fall back to a default (the SQLite file, say).
+KNOWN_KEYS = (
+    "accept_serializers", "auto_migrate", "database_url", "engine_options", "eta_threshold",
+    "lease_seconds", "on_code_change", "on_divergence", "serializer", "store_outage_timeout",
+    "table_prefix",
+)
+# Environment variables the library reads besides the settings (the web view's token),
+# and prefixes left to test suites and benchmarks (this project's own use them).
+_OTHER_ENVIRONMENT = ("DURAFLOW_WEB_TOKEN",)
+_RESERVED_ENVIRONMENT = ("DURAFLOW_TEST_", "DURAFLOW_BENCH_", "DURAFLOW_REQUIRE_")
+# Settings that only make sense as Python objects, not as environment strings.
+_NOT_FROM_ENVIRONMENT = ("engine_options",)
 
 
 @dataclass(frozen=True)
@@ -58,8 +74,9 @@ def _policy(value: Any, key: str, default: str) -> str:
     raise ConfigurationError(f"{key} must be 'fail' or 'warn', got {value!r}.")
 
 
-def _setting(conf: Any, key: str) -> Any:
-    """Read ``duraflow_<key>`` from app.conf, also under the CELERY_ namespace."""
+def _setting(conf: Any, key: str, env: Mapping[str, str] | None = None) -> Any:
+    """Read ``duraflow_<key>`` from app.conf (also under the CELERY_ namespace), then
+    ``DURAFLOW_<KEY>`` from the environment."""
     for name in (f"duraflow_{key}", f"DURAFLOW_{key.upper()}", f"CELERY_DURAFLOW_{key.upper()}"):
         try:
             value = conf.get(name)
@@ -67,7 +84,56 @@ def _setting(conf: Any, key: str) -> Any:
             value = getattr(conf, name, None)
         if value is not None:
             return value
+    if env is not None and key not in _NOT_FROM_ENVIRONMENT:
+        return env.get(f"DURAFLOW_{key.upper()}")
     return None
+
+
+def _suggest(key: str, written: str) -> str:
+    """' Did you mean ...?', the closest known key spelled like ``written`` (its prefix)."""
+    close = difflib.get_close_matches(key, KNOWN_KEYS, n=1, cutoff=0.6)
+    if not close:
+        return ""
+    prefix = written[: len(written) - len(key)]
+    suggestion = prefix + (close[0].upper() if written.isupper() else close[0])
+    return f" Did you mean {suggestion}?"
+
+
+def check_keys(conf: Any, env: Mapping[str, str]) -> None:
+    """Refuse ``duraflow_*`` settings and ``DURAFLOW_*`` variables that do not exist.
+
+    A misspelled ``duraflow_databse_url`` would otherwise leave every worker
+    quietly on its own SQLite file.
+    """
+    try:
+        names = [str(name) for name in conf]
+    except Exception:  # pragma: no cover - exotic conf objects
+        names = []
+    for name in names:
+        lowered = name.lower()
+        for prefix in ("celery_duraflow_", "duraflow_"):
+            if lowered.startswith(prefix):
+                key = lowered.removeprefix(prefix)
+                if key not in KNOWN_KEYS:
+                    raise ConfigurationError(
+                        f"{name} is not a celery-duraflow setting.{_suggest(key, name)} The "
+                        f"settings are duraflow_{', duraflow_'.join(KNOWN_KEYS)}.")
+                break
+    for name in env:
+        if not name.startswith("DURAFLOW_") or name in _OTHER_ENVIRONMENT or name.startswith(
+                _RESERVED_ENVIRONMENT):
+            continue
+        key = name.removeprefix("DURAFLOW_").lower()
+        if key in _NOT_FROM_ENVIRONMENT:
+            raise ConfigurationError(
+                f"the environment variable {name} cannot set duraflow_{key}: set it in the "
+                "Celery configuration (app.conf), as a dict.")
+        if key not in KNOWN_KEYS:
+            known = [f"DURAFLOW_{k.upper()}" for k in KNOWN_KEYS if k not in _NOT_FROM_ENVIRONMENT]
+            raise ConfigurationError(
+                f"the environment variable {name} is not a celery-duraflow setting."
+                f"{_suggest(key, name)} The variables are {', '.join(known)} and "
+                f"{', '.join(_OTHER_ENVIRONMENT)}.")
 
 
 def parse_database_url(raw: Any, *, key: str = "duraflow_database_url") -> URL:
@@ -125,15 +191,18 @@ def _as_bool(value: Any, key: str, default: bool) -> bool:
 
 
 def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
-    """Build a :class:`Config` from a Celery ``app.conf`` (or any mapping)."""
+    """Build a :class:`Config` from a Celery ``app.conf`` (or any mapping).
+
+    Each setting is read from app.conf, then from ``DURAFLOW_<KEY>`` in the
+    environment, then its default. Unknown keys are refused (:func:`check_keys`).
+    """
     env = os.environ if environ is None else environ
+    check_keys(conf, env)
 
-    raw_url = _setting(conf, "database_url")
-    if raw_url is None:
-        raw_url = env.get("DURAFLOW_DATABASE_URL", DEFAULT_DATABASE_URL)
-    url = parse_database_url(raw_url)
+    raw_url = _setting(conf, "database_url", env)
+    url = parse_database_url(DEFAULT_DATABASE_URL if raw_url is None else raw_url)
 
-    prefix = _setting(conf, "table_prefix")
+    prefix = _setting(conf, "table_prefix", env)
     if prefix is None:
         prefix = DEFAULT_TABLE_PREFIX
     if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
@@ -142,19 +211,19 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
             "underscores, starting with a letter or underscore (for example 'duraflow_')."
         )
 
-    serializer = _setting(conf, "serializer") or DEFAULT_SERIALIZER
+    serializer = _setting(conf, "serializer", env) or DEFAULT_SERIALIZER
     if not isinstance(serializer, str):
         raise ConfigurationError(
             f"duraflow_serializer must be 'json', 'pickle' or a dotted path, got {serializer!r}."
         )
 
-    options = _setting(conf, "engine_options") or {}
+    options = _setting(conf, "engine_options", env) or {}
     if not isinstance(options, Mapping):
         raise ConfigurationError(
             f"duraflow_engine_options must be a dict of create_engine() arguments, got {options!r}."
         )
 
-    accept = _setting(conf, "accept_serializers")
+    accept = _setting(conf, "accept_serializers", env)
     if accept is None:
         accept = ()
     elif isinstance(accept, str):
@@ -170,17 +239,17 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
         table_prefix=prefix,
         serializer=serializer,
         engine_options=MappingProxyType(dict(options)),
-        auto_migrate=_as_bool(_setting(conf, "auto_migrate"), "duraflow_auto_migrate", True),
-        lease_seconds=_as_float(_setting(conf, "lease_seconds"), "duraflow_lease_seconds",
+        auto_migrate=_as_bool(_setting(conf, "auto_migrate", env), "duraflow_auto_migrate", True),
+        lease_seconds=_as_float(_setting(conf, "lease_seconds", env), "duraflow_lease_seconds",
                                 DEFAULT_LEASE_SECONDS, minimum=1.0),
-        eta_threshold=_as_float(_setting(conf, "eta_threshold"), "duraflow_eta_threshold",
+        eta_threshold=_as_float(_setting(conf, "eta_threshold", env), "duraflow_eta_threshold",
                                 DEFAULT_ETA_THRESHOLD, minimum=0.0),
-        on_divergence=_policy(_setting(conf, "on_divergence"), "duraflow_on_divergence",
+        on_divergence=_policy(_setting(conf, "on_divergence", env), "duraflow_on_divergence",
                               "fail"),
-        on_code_change=_policy(_setting(conf, "on_code_change"), "duraflow_on_code_change",
+        on_code_change=_policy(_setting(conf, "on_code_change", env), "duraflow_on_code_change",
                                "warn"),
         store_outage_timeout=_as_float(
-            _setting(conf, "store_outage_timeout"), "duraflow_store_outage_timeout",
+            _setting(conf, "store_outage_timeout", env), "duraflow_store_outage_timeout",
             DEFAULT_STORE_OUTAGE_TIMEOUT, minimum=0.0),
         accept_serializers=tuple(sorted(set(accept))),
     )

@@ -54,7 +54,7 @@ from sqlalchemy.exc import (
 
 from ._config import Config
 from ._schema import LATEST_VERSION, Tables, build_tables, current_version, migrate
-from .errors import ConfigurationError, StoreUnavailable
+from .errors import ConfigurationError, StoreMisconfigured, StoreUnavailable
 
 logger = logging.getLogger("celery_duraflow.store")
 
@@ -348,17 +348,24 @@ class Store:
         if self._schema_ready:
             return
         with self._unavailable("preparing the schema", task_id, step_key):
+            with self.engine.connect() as conn:
+                version = current_version(conn, self.tables)
+            if version > LATEST_VERSION:
+                raise StoreMisconfigured(
+                    f"the celery-duraflow schema with prefix {self.config.table_prefix!r} in "
+                    f"{self._shown_url} is at version {version}, newer than this release knows "
+                    f"({LATEST_VERSION}): a newer celery-duraflow migrated it. Upgrade "
+                    "celery-duraflow on this worker too.", task_id=task_id, step_key=step_key)
             if self.config.auto_migrate:
-                migrate(self._transactional(), self.tables, self.config.table_prefix)
-            else:
-                with self.engine.connect() as conn:
-                    version = current_version(conn, self.tables)
                 if version < LATEST_VERSION:
-                    raise ConfigurationError(
-                        f"the celery-duraflow schema with prefix {self.config.table_prefix!r} is "
-                        f"at version {version}, this release needs {LATEST_VERSION}, and "
-                        "duraflow_auto_migrate is off: apply the migrations first."
-                    )
+                    migrate(self._transactional(), self.tables, self.config.table_prefix)
+            elif version < LATEST_VERSION:
+                raise StoreMisconfigured(
+                    f"the celery-duraflow schema with prefix {self.config.table_prefix!r} in "
+                    f"{self._shown_url} is at version {version}, this release needs "
+                    f"{LATEST_VERSION}, and duraflow_auto_migrate is off: apply the migrations "
+                    "first (celery -A proj duraflow migrate).", task_id=task_id,
+                    step_key=step_key)
         self._schema_ready = True
 
     def migrate(self) -> list[int]:
@@ -370,15 +377,30 @@ class Store:
 
     # -- connections ---------------------------------------------------------------------
 
+    @property
+    def _shown_url(self) -> str:
+        return self.config.database_url.render_as_string(hide_password=True)
+
     @contextmanager
     def _unavailable(self, action: str, task_id: str | None = None,
                      step_key: str | None = None) -> Iterator[None]:
+        """Turn the driver's connection errors into StoreUnavailable (waiting may help)
+        or StoreMisconfigured (it will not: the database said no for good)."""
         try:
             yield
         except _UNAVAILABLE as exc:
             where = f" for task {task_id}" if task_id else ""
             if step_key:
                 where += f", step {step_key!r}"
+            fix = self._permanent(exc)
+            if fix is not None:
+                raise StoreMisconfigured(
+                    f"the step store {self._shown_url} refused the connection while {action}"
+                    f"{where}: {_short(exc)}. Waiting will not change that: {fix}. Nothing was "
+                    "run or recorded.",
+                    task_id=task_id,
+                    step_key=step_key,
+                ) from None
             raise StoreUnavailable(
                 f"the step store is unavailable while {action}{where}: {_short(exc)}. Nothing "
                 "was run for this step; the attempt can be retried safely (add StoreUnavailable "
@@ -477,6 +499,22 @@ class Store:
             else:
                 with self.engine.connect() as conn:
                     yield conn
+
+    def _permanent(self, exc: BaseException) -> str | None:
+        """What to fix, when a connection error is one that waiting cannot cure."""
+        original = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+        text = str(original).lower()
+        if self.dialect == "sqlite":
+            path = self.config.database_url.database or ""
+            folder = os.path.dirname(os.path.abspath(path)) if path else ""
+            if "unable to open database file" in text and folder and not os.path.isdir(folder):
+                return (f"the folder {folder} does not exist; create it or point "
+                        "duraflow_database_url at a file in an existing folder")
+            return None
+        for phrase, fix in _PERMANENT:
+            if phrase in text:
+                return fix
+        return None
 
     def check_reachable(self, task_id: str, step_key: str) -> None:
         """Raise StoreUnavailable if the database is visibly gone, before a step's body runs.
@@ -1206,6 +1244,22 @@ class Store:
                     return bool(cursor.rowcount == 1)
                 return cursor.fetchone() is not None
             return conn.execute(self._step_statements[name], params).first() is not None
+
+
+# What the server says when the answer will not change by waiting (psycopg reports no
+# SQLSTATE for a refused connection, so the server's message is all there is), and what
+# to do about it.
+_PERMANENT = (
+    ("does not exist", "check the database name and the user in duraflow_database_url, or "
+                       "create them"),
+    ("password authentication failed", "check the user and password in duraflow_database_url"),
+    ("authentication failed", "check the user and password in duraflow_database_url"),
+    ("no pg_hba.conf entry", "allow this host and user in the server's pg_hba.conf"),
+    ("permission denied", "grant the user of duraflow_database_url access to the database"),
+    ("sslmode value", "fix the sslmode in duraflow_database_url"),
+    ("invalid dsn", "fix duraflow_database_url"),
+    ("invalid connection option", "fix the options in duraflow_database_url"),
+)
 
 
 def _short(exc: BaseException) -> str:

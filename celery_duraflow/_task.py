@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import random
+import time
 import types
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -40,6 +41,8 @@ from .errors import (
 
 logger = logging.getLogger("celery_duraflow.task")
 
+# The message header that carries a store outage from one re-send to the next.
+OUTAGE_HEADER = "duraflow_outage"
 # How many leases after a retry was due the sweep waits before re-sending it.
 RETRY_GRACE_LEASES = 10
 
@@ -97,7 +100,7 @@ class DurableTask(Task):  # type: ignore[misc]
             try:
                 run, recorded = store.begin_attempt(task_id, delivery)
             except StoreUnavailable as exc:
-                self._come_back_later(exc)
+                self._come_back_later(exc, config)
             if run.lease_owner != owner:
                 taken = self._not_ours(store, config, run, delivery)
                 if taken is None:
@@ -121,7 +124,7 @@ class DurableTask(Task):  # type: ignore[misc]
                 recorded = store.load_steps(task_id)
             except StoreUnavailable as exc:
                 self._release(store, task_id, owner, recover_after=config.lease_seconds)
-                self._come_back_later(exc)
+                self._come_back_later(exc, config)
         ctx = RunContext(task_id=task_id, task_name=self.name, owner=owner, store=store,
                          serializer=serializer, serializer_name=config.serializer,
                          recorded=recorded, interrupted=run.interrupted, task=self,
@@ -267,24 +270,52 @@ class DurableTask(Task):  # type: ignore[misc]
             raise ctx.fatal
         return super().retry(*args, **kwargs)
 
-    def _come_back_later(self, exc: StoreUnavailable) -> NoReturn:
+    def _come_back_later(self, exc: StoreUnavailable, config: Config) -> NoReturn:
         """The store is down before the run could start: send this delivery again later.
 
-        Re-sending keeps the user's retry count untouched; an eager call has no
-        broker to come back through, so there the error is raised as it is.
+        Re-sending keeps the user's retry count untouched. The waits grow
+        exponentially (1 s, 2 s, 4 s... up to a minute, with jitter), and the
+        outage is waited out for at most ``duraflow_store_outage_timeout``,
+        counted from the first delivery that found the store down (the time is
+        carried in the re-sent message's headers); after that the task fails
+        with StoreUnavailable. An eager call has no broker to come back
+        through, so there the error is raised as it is.
         """
-        if self.request.is_eager:
+        request = self.request
+        if request.is_eager:
             raise exc
-        delay = random.uniform(1.0, 5.0)
+        now = time.time()
+        retries = int(request.retries or 0)
+        outage = request.get(OUTAGE_HEADER)
+        since, resends = now, 0
+        if isinstance(outage, dict) and outage.get("retries") == retries:
+            try:
+                since, resends = float(outage["since"]), int(outage["resends"])
+            except (KeyError, TypeError, ValueError):
+                since, resends = now, 0
+        elapsed = max(0.0, now - since)
+        left = config.store_outage_timeout - elapsed
+        if left <= 0:
+            logger.error("task %s: the store has been unavailable for %.0fs (%d re-sends), "
+                         "longer than duraflow_store_outage_timeout (%.0fs); the task fails",
+                         request.id, elapsed, resends, config.store_outage_timeout)
+            raise StoreUnavailable(
+                f"{exc} The store stayed unavailable for {elapsed:.0f}s and {resends} re-sends "
+                f"of task {request.id}, longer than duraflow_store_outage_timeout "
+                f"({config.store_outage_timeout:.0f}s), so the task failed; nothing of it ran. "
+                "Send it again once the database is back.",
+                task_id=request.id) from exc
+        delay = min(left, random.uniform(0.5, 1.0) * min(60.0, 2.0 ** resends))
+        headers = {OUTAGE_HEADER: {"since": since, "resends": resends + 1, "retries": retries}}
         try:
-            signature = self.signature_from_request(self.request, countdown=delay)
-            signature.apply_async()
+            self.signature_from_request(request, countdown=delay).apply_async(headers=headers)
         except Exception:
             logger.exception("task %s: the store is unavailable and re-sending the task failed",
-                             self.request.id)
+                             request.id)
             raise exc from None
-        logger.warning("task %s: the store is unavailable (%s); trying again in %.1fs",
-                       self.request.id, exc, delay)
+        logger.warning("task %s: the store is unavailable (%s); re-send %d in %.1fs, %.0fs "
+                       "left of duraflow_store_outage_timeout", request.id, exc, resends + 1,
+                       delay, left)
         raise Ignore() from exc
 
     def _release(self, store: Store, task_id: str, owner: str, *,

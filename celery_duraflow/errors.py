@@ -9,6 +9,7 @@ to the caller intact::
     ├── ChildFailed               a child run failed (or did not finish in time)
     │   └── ChildTimeout              ... did not finish within the child() timeout
     ├── ConfigurationError        a duraflow_* setting or the database URL is wrong
+    │   └── StoreMisconfigured        ... the store refuses for good (no such database, login)
     ├── InvalidStepName           step() got an empty, non-string, malformed or too long name
     ├── InvalidTaskId             a task id the store cannot hold (too long, not a string)
     ├── InvalidDuration           a sleep or timeout that is NaN, infinite or out of range
@@ -58,6 +59,7 @@ __all__ = [
     "StepInputChanged",
     "StepNotPrepared",
     "StepOutputNotSerializable",
+    "StoreMisconfigured",
     "StoreUnavailable",
     "UnsupportedCode",
 ]
@@ -90,6 +92,15 @@ class DuraflowError(Exception):
 
 class ConfigurationError(DuraflowError, ValueError):
     """A ``duraflow_*`` setting has a value that cannot be used."""
+
+
+class StoreMisconfigured(ConfigurationError):
+    """The store answers, and its answer will not change by waiting: the database does
+    not exist, the login is refused, the schema is missing or newer than this release.
+
+    The task fails at once instead of being sent again; the message names the
+    database URL (without its password) and what to fix.
+    """
 
 
 class InvalidStepName(DuraflowError, ValueError):

@@ -139,3 +139,78 @@ def test_config_is_frozen() -> None:
     assert isinstance(config, Config)
     with pytest.raises(AttributeError):
         config.table_prefix = "other_"  # type: ignore[misc]
+
+
+def test_misspelled_setting_is_refused_before_any_store_is_created(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """duraflow_databse_url is refused with the key it resembles; no SQLite file appears."""
+    monkeypatch.chdir(tmp_path)
+    app = Celery("typo", set_as_current=False)
+    app.conf.update(task_always_eager=True, duraflow_databse_url="sqlite:///elsewhere.sqlite3")
+
+    @app.task(base=DurableTask, shared=False)
+    def task() -> str:
+        with step("one"):
+            pass
+        return "done"
+
+    result = task.apply()
+    assert isinstance(result.result, ConfigurationError)
+    assert "duraflow_databse_url" in str(result.result)
+    assert "Did you mean duraflow_database_url?" in str(result.result)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(("conf", "env", "named", "suggested"), [
+    ({"CELERY_DURAFLOW_LEASE_SECOND": 5}, {}, "CELERY_DURAFLOW_LEASE_SECOND",
+     "CELERY_DURAFLOW_LEASE_SECONDS"),
+    ({}, {"DURAFLOW_DATABASEURL": "sqlite://"}, "DURAFLOW_DATABASEURL", "DURAFLOW_DATABASE_URL"),
+    ({}, {"DURAFLOW_ENGINE_OPTIONS": "{}"}, "DURAFLOW_ENGINE_OPTIONS", "app.conf"),
+])
+def test_unknown_keys_in_every_place_are_refused(
+        conf: dict[str, object], env: dict[str, str], named: str, suggested: str) -> None:
+    """Unknown CELERY_DURAFLOW_* keys and DURAFLOW_* variables name the closest setting."""
+    with pytest.raises(ConfigurationError) as info:
+        load_config(conf, environ=env)
+    assert named in str(info.value) and suggested in str(info.value)
+
+
+def test_environment_sets_any_setting_and_test_variables_are_left_alone() -> None:
+    """DURAFLOW_<KEY> sets a setting; DURAFLOW_TEST_/BENCH_/REQUIRE_ belong to test suites."""
+    env = {"DURAFLOW_TABLE_PREFIX": "envprefix_", "DURAFLOW_STORE_OUTAGE_TIMEOUT": "12",
+           "DURAFLOW_ACCEPT_SERIALIZERS": "json, pickle", "DURAFLOW_WEB_TOKEN": "x" * 20,
+           "DURAFLOW_TEST_DATABASE_URL": "postgresql://h/db", "DURAFLOW_REQUIRE_SERVICES": "1",
+           "DURAFLOW_BENCH_BROKER_URL": "redis://h"}
+    config = load_config({}, environ=env)
+    assert config.table_prefix == "envprefix_"
+    assert config.store_outage_timeout == 12
+    assert config.accept_serializers == ("json", "pickle")
+    assert load_config({"duraflow_table_prefix": "conf_"}, environ=env).table_prefix == "conf_"
+
+
+def test_worker_says_which_store_it_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    """A starting worker logs its store (SQLite: absolute path) and warns on a shared broker."""
+    from celery_duraflow._signals import _announce_store
+
+    monkeypatch.chdir(tmp_path)
+
+    class Worker:
+        def __init__(self, app: Celery) -> None:
+            self.app = app
+
+    caplog.set_level("INFO", logger="celery_duraflow")
+    local = Celery("local", broker="memory://", set_as_current=False)
+    _announce_store(sender=Worker(local))
+    shared = Celery("shared", broker="redis://127.0.0.1:6379/0", set_as_current=False)
+    _announce_store(sender=Worker(shared))
+    secret = Celery("pg", broker="redis://127.0.0.1:6379/0", set_as_current=False)
+    secret.conf.duraflow_database_url = "postgresql://u:hunter2-pw@db.example:5432/runs"
+    _announce_store(sender=Worker(secret))
+    messages = [r.getMessage() for r in caplog.records]
+    path = str(tmp_path / "duraflow.sqlite3")
+    assert sum(path in m and "runs are stored in" in m for m in messages) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "durable on this host only" in warnings[0]
+    assert any("db.example:5432/runs" in m and "***" in m for m in messages)
+    assert not any("hunter2-pw" in m for m in messages)

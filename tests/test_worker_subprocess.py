@@ -202,3 +202,12 @@ def test_nested_key_too_long_is_refused_before_the_charge(worker: Worker) -> Non
     run = get_run(result.id, app=worker.client)
     assert run is not None and run.status == "failed", log
     assert f"[{result.id}] retry:" not in log, log
+
+
+def test_worker_logs_its_store_once_at_start(worker: Worker) -> None:
+    """A real worker names the store its runs go to, once, with no password."""
+    lines = [line for line in worker.log_path.read_text(errors="replace").splitlines()
+             if "celery-duraflow: runs are stored in" in line]
+    assert len(lines) == 1, worker.log_tail()
+    assert f"(tables {worker.prefix}*)" in lines[0]
+    assert "127.0.0.1:5432/test" in lines[0]
