@@ -642,20 +642,46 @@ def migrate(ctx: click.Context) -> None:
 @click.option("--token", envvar="DURAFLOW_WEB_TOKEN", default=None, cls=CeleryOption,
               help_group="Web Options",
               help="Secret that visitors type to log in and act (approve, reject, cancel, "
-                   "retry); also read from DURAFLOW_WEB_TOKEN. Without it the view is "
-                   "read-only.")
+                   "retry); also read from DURAFLOW_WEB_TOKEN. At least 16 characters, "
+                   "not a placeholder. Without it the view is read-only.")
+@click.option("--allowed-host", "allowed_hosts", multiple=True, metavar="NAME",
+              cls=CeleryOption, help_group="Web Options",
+              help="Another Host name to answer besides localhost, 127.0.0.1, [::1] and "
+                   "--host (repeatable; .example.com allows a domain and its subdomains). "
+                   "Requests for any other name get 400.")
+@click.option("--url-prefix", default="", metavar="PATH", cls=CeleryOption,
+              help_group="Web Options",
+              help="Serve every page under this path (such as /duraflow), for a reverse "
+                   "proxy that forwards the prefix unchanged.")
 @click.pass_context
 @handle_preload_options  # type: ignore[untyped-decorator]
-def web(ctx: click.Context, host: str, port: int, token: str | None) -> None:
+def web(ctx: click.Context, host: str, port: int, token: str | None,
+        allowed_hosts: tuple[str, ...], url_prefix: str) -> None:
     """Serve a web view of the runs (needs the 'web' extra).
 
     Runs page, run pages with the step timeline, and Approve / Reject buttons
-    for runs waiting for a signal. Exit status 1 when the extra is missing.
+    for runs waiting for a signal. Exit status 1 when the extra is missing, or
+    when the token is empty, a placeholder or shorter than 16 characters, an
+    allowed host or the URL prefix is not valid.
     """
+    import os
+
     try:
         from .web import serve
+        from .web._app import check_options
     except ImportError as exc:
         _fail(str(exc))
+    if token is None and os.environ.get("DURAFLOW_WEB_TOKEN") == "":
+        # Click reads an empty variable as no token; a deployment that forgot to set it
+        # must not fall back to a read-only view that shows every run to anyone.
+        _fail("DURAFLOW_WEB_TOKEN is set but empty: set it to a long random token, or unset "
+              "it for a read-only view")
+    hosts = (host, *allowed_hosts) if host else allowed_hosts
+    try:
+        _, prefix = check_options(token=token, allowed_hosts=hosts, url_prefix=url_prefix)
+    except ValueError as exc:
+        _fail(str(exc))
     mode = "actions need the token" if token else "read-only (no --token)"
-    ctx.obj.echo(f"serving the runs on http://{host}:{port}/ ({mode}); Ctrl-C to stop")
-    serve(ctx.obj.app, host=host, port=port, token=token or None)
+    ctx.obj.echo(f"serving the runs on http://{host}:{port}{prefix}/ ({mode}); Ctrl-C to stop")
+    serve(ctx.obj.app, host=host, port=port, token=token, allowed_hosts=allowed_hosts,
+          url_prefix=prefix)

@@ -34,6 +34,10 @@ from tests.conftest import run_worker, wait_for_status
 
 TOKEN = "correct horse battery staple"
 XSS = "<script>alert(1)</script>"
+#: Where the test clients say they are: a name the view allows by default.
+LOCAL = "http://localhost"
+#: A Host header the view must refuse (a DNS-rebinding page sends its own name).
+FOREIGN = "attacker.example"
 
 
 def new_app(make_app: Callable[..., Celery], **conf: Any) -> Celery:
@@ -49,8 +53,10 @@ def new_app(make_app: Callable[..., Celery], **conf: Any) -> Celery:
     return make_app(task_default_queue=f"web-{uuid.uuid4().hex[:10]}", **conf)
 
 
-def client_for(app: Celery, token: str | None = None) -> TestClient:
-    return TestClient(create_app(app, token=token), follow_redirects=False)
+def client_for(app: Celery, token: str | None = None, **options: Any) -> TestClient:
+    """A client of a new web view of ``app``, sending ``Host: localhost`` (an allowed name)."""
+    return TestClient(create_app(app, token=token, **options), base_url=LOCAL,
+                      follow_redirects=False)
 
 
 def logged_in(app: Celery) -> TestClient:
@@ -363,7 +369,7 @@ def test_with_a_token_nothing_is_shown_before_logging_in(make_app: Callable[...,
     assert "Read-only" not in page.text
 
     # A session made for another token is worthless here.
-    other = client_for(app, "another token")
+    other = client_for(app, "another token, just as long")
     other.cookies.set(SESSION_COOKIE, value)
     assert other.get("/").status_code == 303
 
@@ -653,3 +659,309 @@ def test_serve_listens_on_the_loopback_interface_by_default(
     assert [(config.host, config.port) for config in started] == [
         ("127.0.0.1", 8765), ("0.0.0.0", 9000), ("0.0.0.0", 9001)]
     assert all(isinstance(config.app, Starlette) for config in started)
+
+
+# -- failing closed: the Host allow-list, logout, the URL prefix, the token -----------------
+
+
+def not_acted_on(app: Celery, task_id: str) -> bool:
+    """True when the waiting run is still waiting, with no cancel asked and no signal stored."""
+    store = store_of(app)
+    record = store.get_run(task_id)
+    return (record is not None and record.status == "waiting" and record.unwinding is None
+            and store.get_signal(task_id, "approval") is None)
+
+
+def test_a_foreign_host_header_is_refused_on_every_route(make_app: Callable[..., Celery]) -> None:
+    """A request whose Host is not allowed gets a short plain 400 and no data, on every route."""
+    app = new_app(make_app)
+    tasks = define_tasks(app)
+    secret = "passport 123-secret"
+    task_id = tasks.book.apply(args=(9,), kwargs={"who": secret}).id
+    waiting = tasks.approval.apply(args=(3,)).id
+    foreign = {"host": FOREIGN}
+
+    read_only = client_for(app)
+    assert secret in unescape(read_only.get(f"/runs/{task_id}").text)
+    for path in ("/", f"/runs/{task_id}", "/static/duraflow.css", "/login", "/nowhere"):
+        refused = read_only.get(path, headers=foreign)
+        assert refused.status_code == 400, path
+        assert refused.headers["content-type"].startswith("text/plain"), path
+        assert len(refused.text) < 100 and secret not in refused.text, path
+        assert task_id not in refused.text and "set-cookie" not in refused.headers, path
+
+    client = logged_in(app)
+    csrf = csrf_of(client.get(f"/runs/{waiting}").text)
+    assert client.get(f"/runs/{waiting}", headers=foreign).status_code == 400
+    assert client.get("/login", headers=foreign).status_code == 400
+    login = client.post("/login", data={"token": TOKEN, "next": "/"}, headers=foreign)
+    assert login.status_code == 400 and "set-cookie" not in login.headers
+    for action in ("cancel", "approve", "reject", "signal", "retry"):
+        posted = client.post(f"/runs/{waiting}/{action}", headers=foreign,
+                             data={"csrf": csrf, "signal": "approval", "payload": "true"})
+        assert posted.status_code == 400, action
+    assert client.post("/logout", data={"csrf": csrf}, headers=foreign).status_code == 400
+    assert not_acted_on(app, waiting)
+    # The refused logout did nothing either: the session still works on an allowed name.
+    assert client.get(f"/runs/{waiting}").status_code == 200
+
+
+def test_loopback_names_are_allowed_and_allowed_hosts_adds_names(
+        make_app: Callable[..., Celery]) -> None:
+    """Loopback names pass with or without a port; allowed_hosts adds names and subdomains."""
+    app = new_app(make_app)
+    client = client_for(app)
+    for host in ("localhost", "localhost:8765", "LOCALHOST", "127.0.0.1", "127.0.0.1:8765",
+                 "[::1]", "[::1]:8765"):
+        assert client.get("/", headers={"host": host}).status_code == 200, host
+    for host in (FOREIGN, "localhost.attacker.example", "127.0.0.1.nip.io", "ops.example.com",
+                 "::1", "localhost:x"):
+        assert client.get("/", headers={"host": host}).status_code == 400, host
+
+    more = client_for(app, allowed_hosts=["ops.example.com", ".corp.example", "*.svc.example"])
+    for host in ("ops.example.com", "OPS.example.com:443", "corp.example", "a.corp.example",
+                 "b.svc.example", "localhost:8765"):
+        assert more.get("/", headers={"host": host}).status_code == 200, host
+    for host in ("svc.example", "ops.example.com.attacker.example", "evilcorp.example",
+                 "example.com", FOREIGN):
+        assert more.get("/", headers={"host": host}).status_code == 400, host
+
+    for bad in ("*", "", " ", "a*.example", "*example.com", "ops.example.com:8443", "a/b",
+                "http://ops.example.com"):
+        with pytest.raises(ValueError, match="allowed host"):
+            create_app(app, allowed_hosts=[bad])
+
+
+def invoke_web(app: Celery, monkeypatch: pytest.MonkeyPatch, *args: str,
+               env: dict[str, str | None] | None = None) -> tuple[Any, list[Any]]:
+    """``duraflow web ARGS`` on ``app`` in this process, with uvicorn's server loop stubbed.
+
+    Returns click's result and the uvicorn configs the command started (none if it refused).
+    """
+    import uvicorn
+    from celery.bin.base import CLIContext
+    from click.testing import CliRunner
+
+    from celery_duraflow.cli import duraflow
+
+    started: list[Any] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: started.append(
+        self.config))
+    environment: dict[str, str | None] = {"DURAFLOW_WEB_TOKEN": None}
+    environment.update(env or {})
+    result = CliRunner().invoke(
+        duraflow, ["web", *args], env=environment,
+        obj=CLIContext(app=app, no_color=True, workdir=None, quiet=False))
+    return result, started
+
+
+def test_web_command_allowed_host_and_url_prefix_reach_the_app(
+        make_app: Callable[..., Celery], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`duraflow web --allowed-host NAME --url-prefix /duraflow` serves that name, there."""
+    app = new_app(make_app)
+    result, started = invoke_web(app, monkeypatch, "--token", TOKEN,
+                                 "--allowed-host", "ops.example.com",
+                                 "--allowed-host", ".corp.example", "--url-prefix", "/duraflow")
+    assert result.exit_code == 0, result.output
+    assert "serving the runs on http://127.0.0.1:8765/duraflow/" in result.output
+    assert len(started) == 1
+    client = TestClient(started[0].app, base_url="http://ops.example.com",
+                        follow_redirects=False)
+    assert client.get("/duraflow/login").status_code == 200
+    for host in ("a.corp.example", "127.0.0.1:8765", "localhost"):
+        assert client.get("/duraflow/login", headers={"host": host}).status_code == 200, host
+    assert client.get("/duraflow/login", headers={"host": FOREIGN}).status_code == 400
+    assert client.get("/login").status_code == 404
+
+    refused, started = invoke_web(app, monkeypatch, "--token", TOKEN, "--allowed-host", "*")
+    assert refused.exit_code == 1 and started == []
+    assert refused.stderr.startswith("error: ") and "allowed host" in refused.stderr
+    bad_prefix, started = invoke_web(app, monkeypatch, "--url-prefix", "/a b")
+    assert bad_prefix.exit_code == 1 and started == []
+    assert "url prefix" in bad_prefix.stderr.lower()
+
+
+def test_serve_allows_the_address_it_listens_on(make_app: Callable[..., Celery],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve() lets the Host of its own --host address through, besides loopback names."""
+    import uvicorn
+
+    from celery_duraflow.web import serve
+
+    started: list[Any] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: started.append(
+        self.config))
+    app = new_app(make_app)
+    serve(app, host="10.1.2.3", token=TOKEN, allowed_hosts=["ops.example.com"])
+    client = TestClient(started[0].app, base_url="http://10.1.2.3:8765", follow_redirects=False)
+    for host in ("10.1.2.3:8765", "10.1.2.3", "ops.example.com", "localhost:8765"):
+        assert client.get("/login", headers={"host": host}).status_code == 200, host
+    assert client.get("/login", headers={"host": FOREIGN}).status_code == 400
+
+
+def test_web_command_refuses_an_empty_placeholder_or_short_token(
+        make_app: Callable[..., Celery], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`duraflow web` exits 1 without serving when the token is empty, a placeholder or short."""
+    app = new_app(make_app)
+    refusals: list[tuple[list[str], dict[str, str | None]]] = [
+        (["--token", ""], {}),
+        (["--token", "   "], {}),
+        (["--token", "change-me"], {}),
+        (["--token", "changeme"], {}),
+        (["--token", "CHANGE_ME"], {}),
+        (["--token", "secret"], {}),
+        (["--token", "token"], {}),
+        (["--token", "change-me-to-a-long-random-string"], {}),
+        (["--token", "please-changeme-0123456789"], {}),
+        (["--token", "fifteen-chars-x"], {}),
+        ([], {"DURAFLOW_WEB_TOKEN": "change-me-to-a-long-random-string"}),
+        ([], {"DURAFLOW_WEB_TOKEN": "short"}),
+        # Set but empty (an unset variable in a deployment) is not "no token": it is refused.
+        ([], {"DURAFLOW_WEB_TOKEN": ""}),
+    ]
+    for args, env in refusals:
+        result, started = invoke_web(app, monkeypatch, *args, env=env)
+        assert result.exit_code == 1, (args, env, result.output)
+        assert started == [], (args, env)
+        assert result.stderr.startswith("error: ") and "token" in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+    # A long random token works from the option and from the environment.
+    accepted: list[tuple[list[str], dict[str, str | None]]] = [
+        (["--token", TOKEN], {}), ([], {"DURAFLOW_WEB_TOKEN": TOKEN})]
+    for args, env in accepted:
+        result, started = invoke_web(app, monkeypatch, *args, env=env)
+        assert result.exit_code == 0, result.output
+        assert "actions need the token" in result.output and len(started) == 1
+        client = TestClient(started[0].app, base_url=LOCAL, follow_redirects=False)
+        assert client.get("/").status_code == 303
+        assert client.post("/login", data={"token": TOKEN}).status_code == 303
+    # No token at all is still the read-only view.
+    result, started = invoke_web(app, monkeypatch)
+    assert result.exit_code == 0 and "read-only (no --token)" in result.output
+    assert len(started) == 1
+
+    from celery_duraflow.web import serve
+
+    for token in ("change-me", "short", ""):
+        with pytest.raises(ValueError, match="token"):
+            serve(app, token=token)
+
+
+def test_logout_revokes_the_session_on_the_server(make_app: Callable[..., Celery]) -> None:
+    """After logout the old cookie is dead: GET redirects to the login page, POST gets 403."""
+    app = new_app(make_app)
+    tasks = define_tasks(app)
+    waiting = tasks.approval.apply(args=(4,)).id
+    client = logged_in(app)
+    other = TestClient(client.app, base_url=LOCAL, follow_redirects=False)
+    assert other.post("/login", data={"token": TOKEN, "next": "/"}).status_code == 303
+    page = client.get(f"/runs/{waiting}")
+    csrf = csrf_of(page.text)
+    old = {"cookie": f"{SESSION_COOKIE}={client.cookies[SESSION_COOKIE]}"}
+
+    logout = client.post("/logout", data={"csrf": csrf})
+    assert logout.status_code == 303 and logout.headers["location"] == "/login"
+    client.cookies.clear()
+
+    # The cookie kept (or stolen) from before the logout opens nothing...
+    for path in ("/", f"/runs/{waiting}"):
+        again = client.get(path, headers=old)
+        assert again.status_code == 303, path
+        assert again.headers["location"].startswith("/login?next="), path
+        assert waiting not in again.text
+    # ...and changes nothing.
+    for action in ("cancel", "approve", "reject", "retry"):
+        refused = client.post(f"/runs/{waiting}/{action}", headers=old,
+                              data={"csrf": csrf, "signal": "approval"})
+        assert refused.status_code == 403, action
+    assert client.post("/logout", headers=old, data={"csrf": csrf}).status_code == 403
+    assert not_acted_on(app, waiting)
+    # Logging out ends that session only: another browser's stays logged in.
+    assert other.get(f"/runs/{waiting}").status_code == 200
+
+
+def test_sessions_live_in_a_bounded_server_side_table() -> None:
+    """A session must be in the guard's table: logged out or evicted ones are refused."""
+    from celery_duraflow.web._security import SESSION_MAX_AGE, Guard
+
+    guard = Guard(TOKEN, max_sessions=3)
+    now = time.time()
+    cookies = [guard.new_session(now + n) for n in range(4)]
+    # The table holds three: the oldest session was dropped, so it is logged out (not let in).
+    assert not guard.session_valid(cookies[0], now + 10)
+    assert all(guard.session_valid(cookie, now + 10) for cookie in cookies[1:])
+    guard.revoke(cookies[1])
+    assert not guard.session_valid(cookies[1], now + 10)
+    assert not guard.csrf_valid(cookies[1], guard.csrf_for(cookies[1]))
+    guard.revoke(cookies[1])
+    guard.revoke("garbage")
+    guard.revoke(None)
+    assert guard.session_valid(cookies[2], now + 10)
+    # Expired sessions leave the table when a new one is made.
+    later = now + SESSION_MAX_AGE + 100
+    fresh = guard.new_session(later)
+    assert guard.live_sessions() == 1 and guard.session_valid(fresh, later)
+    # A valid signature alone is not enough: another guard with the same token never issued it.
+    assert not Guard(TOKEN).session_valid(fresh, later)
+
+
+def test_the_view_works_under_a_url_prefix(make_app: Callable[..., Celery]) -> None:
+    """Under url_prefix='/duraflow' every page, form, redirect, cookie and stylesheet is there."""
+    app = new_app(make_app)
+    tasks = define_tasks(app)
+    waiting = tasks.approval.apply(args=(2,)).id
+    client = client_for(app, TOKEN, url_prefix="/duraflow")
+
+    first = client.get("/duraflow/")
+    assert first.status_code == 303
+    assert first.headers["location"] == "/duraflow/login?next=%2Fduraflow%2F"
+    login_page = client.get("/duraflow/login")
+    assert login_page.status_code == 200
+    assert 'action="/duraflow/login"' in login_page.text
+    assert 'href="/duraflow/static/duraflow.css"' in login_page.text
+    assert client.get("/duraflow/static/duraflow.css").status_code == 200
+
+    login = client.post("/duraflow/login",
+                        data={"token": TOKEN, "next": f"/duraflow/runs/{waiting}"})
+    assert login.status_code == 303 and login.headers["location"] == f"/duraflow/runs/{waiting}"
+    assert "Path=/duraflow/" in login.headers["set-cookie"]
+    runs = client.get("/duraflow/")
+    assert runs.status_code == 200
+    assert f'href="/duraflow/runs/{waiting}"' in runs.text
+    assert 'href="/duraflow/?status=waiting"' in runs.text
+    assert 'action="/duraflow/"' in runs.text and 'action="/duraflow/logout"' in runs.text
+    page = client.get(f"/duraflow/runs/{waiting}")
+    assert f'action="/duraflow/runs/{waiting}/cancel"' in page.text
+    assert f'action="/duraflow/runs/{waiting}/approve"' in page.text
+
+    cancel = client.post(f"/duraflow/runs/{waiting}/cancel", data={"csrf": csrf_of(page.text)})
+    assert cancel.status_code == 303
+    assert cancel.headers["location"].startswith(f"/duraflow/runs/{waiting}?note=")
+    assert "Cancellation requested" in text_of(client.get(cancel.headers["location"]).text)
+    record = store_of(app).get_run(waiting)
+    assert record is not None and record.unwinding == "cancel"
+
+    # Nothing answers outside the prefix; the bare prefix leads to its page.
+    assert client.get("/").status_code == 404
+    assert client.get(f"/runs/{waiting}").status_code == 404
+    assert client.get("/static/duraflow.css").status_code == 404
+    bare = client.get("/duraflow")
+    assert bare.status_code in (301, 302, 307, 308)
+    assert urlsplit(bare.headers["location"]).path == "/duraflow/"
+    # After logging in, the visitor is only ever sent to a page under the prefix.
+    elsewhere = client_for(app, TOKEN, url_prefix="/duraflow").post(
+        "/duraflow/login", data={"token": TOKEN, "next": "/other-app/"})
+    assert elsewhere.headers["location"] == "/duraflow/"
+
+    logout = client.post("/duraflow/logout", data={"csrf": csrf_of(page.text)})
+    assert logout.status_code == 303 and logout.headers["location"] == "/duraflow/login"
+    assert "Path=/duraflow/" in logout.headers["set-cookie"]
+
+    # The prefix is normalised, and one that cannot be a path is refused.
+    same = client_for(app, url_prefix="duraflow/")
+    assert same.get("/duraflow/").status_code == 200
+    assert client_for(app, url_prefix="/").get("/").status_code == 200
+    for bad in ("/a b", "/x?y", "/x#y", "//x", "/x//y", "/{task_id}", "/../x", "/%2e"):
+        with pytest.raises(ValueError, match="url prefix"):
+            create_app(app, url_prefix=bad)

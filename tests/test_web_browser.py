@@ -29,6 +29,7 @@ from celery_duraflow import DurableTask, get_run, step, wait_for_signal
 from celery_duraflow._config import config_for_app
 from celery_duraflow._store import store_for
 from celery_duraflow.web import create_app
+from celery_duraflow.web._security import SESSION_COOKIE
 from tests.conftest import run_worker, wait_for_status
 
 if TYPE_CHECKING:
@@ -260,3 +261,95 @@ def test_html_in_a_step_output_is_shown_as_text(make_app: Callable[..., Celery],
     assert dialogs == []
     # Nothing even tried to run: the Content-Security-Policy reported no blocked script.
     assert not [text for text in console if "Content Security Policy" in text], console
+
+
+def waiting_release(app: Celery) -> str:
+    """The id of a run of a fresh task that waits for signal 'approval' (made eagerly)."""
+
+    @app.task(base=DurableTask)
+    def release(batch: str) -> Any:
+        with step("prepare") as s:
+            s.result = f"batch {batch} ready"
+        return wait_for_signal("approval")
+
+    return str(release.apply(args=("C-3",)).id)
+
+
+def test_after_logout_the_old_cookie_opens_nothing(make_app: Callable[..., Celery],
+                                                   page: Page) -> None:
+    """Log in, log out, put the old session cookie back: pages ask to log in, POSTs get 403."""
+    from playwright.sync_api import expect
+
+    app = new_app(make_app)
+    task_id = waiting_release(app)
+    with served(create_app(app, token=TOKEN)) as base:
+        page.goto(f"{base}/runs/{task_id}")
+        page.get_by_label("Token").fill(TOKEN)
+        page.get_by_role("button", name="Log in").click()
+        expect(page.locator("#run-status")).to_have_text("waiting")
+        kept = [cookie for cookie in page.context.cookies() if cookie["name"] == SESSION_COOKIE]
+        assert len(kept) == 1
+        csrf = page.locator('input[name="csrf"]').first.get_attribute("value")
+        assert csrf
+
+        page.get_by_role("button", name="Log out").click()
+        expect(page.get_by_role("heading", name="Log in")).to_be_visible()
+        assert page.url == f"{base}/login"
+        assert page.context.cookies() == []
+
+        # The cookie comes back (kept by an extension, copied from a shared machine...).
+        page.context.add_cookies(kept)  # type: ignore[arg-type]
+        page.goto(f"{base}/runs/{task_id}")
+        expect(page).to_have_url(re.compile(r"/login\?next="))
+        assert "batch C-3 ready" not in page.content()
+        for action in ("cancel", "approve"):
+            response = page.request.post(f"{base}/runs/{task_id}/{action}",
+                                         form={"csrf": csrf, "signal": "approval"},
+                                         max_redirects=0)
+            assert response.status == 403, action
+
+    run = get_run(task_id, app=app)
+    assert run is not None and run.status == "waiting"
+    assert store_for(config_for_app(app)).get_signal(task_id, "approval") is None
+
+
+def test_the_view_is_navigable_under_a_url_prefix(make_app: Callable[..., Celery], page: Page,
+                                                  tmp_path: Path) -> None:
+    """Served under /duraflow: log in, the styled runs and run pages, Cancel, Log out all work."""
+    from playwright.sync_api import expect
+
+    app = new_app(make_app)
+    task_id = waiting_release(app)
+    with served(create_app(app, token=TOKEN, url_prefix="/duraflow")) as base:
+        root = f"{base}/duraflow"
+        page.goto(f"{root}/")
+        expect(page).to_have_url(re.compile(r"/duraflow/login\?next="))
+        page.get_by_label("Token").fill(TOKEN)
+        page.get_by_role("button", name="Log in").click()
+        expect(page.get_by_role("heading", name="Runs")).to_be_visible()
+        assert page.url == f"{root}/"
+        assert [cookie["path"] for cookie in page.context.cookies()] == ["/duraflow/"]
+        # The stylesheet was found under the prefix: the header has its dark background.
+        background = page.locator("header.top").evaluate(
+            "element => getComputedStyle(element).backgroundColor")
+        assert background == "rgb(29, 35, 48)"
+
+        page.get_by_role("link", name=task_id).click()
+        expect(page.locator("#run-status")).to_have_text("waiting")
+        assert page.url == f"{root}/runs/{task_id}"
+        save_screenshot(page, tmp_path, "run-page-under-prefix.png")
+        page.get_by_role("button", name="Cancel").click()
+        expect(page.get_by_role("status")).to_contain_text("Cancellation requested")
+        assert page.url.startswith(f"{root}/runs/{task_id}?")
+
+        page.get_by_role("navigation").get_by_role("link", name="Runs").click()
+        assert page.url == f"{root}/"
+        page.get_by_role("button", name="Log out").click()
+        expect(page.get_by_role("heading", name="Log in")).to_be_visible()
+        assert page.url == f"{root}/login"
+        # A page asked for under another Host name is refused, prefix or not.
+        refused = page.request.get(f"{root}/", headers={"Host": "attacker.example"})
+        assert refused.status == 400
+
+    record = store_for(config_for_app(app)).get_run(task_id)
+    assert record is not None and record.unwinding == "cancel"

@@ -4,10 +4,16 @@
 
     from celery_duraflow.web import create_app, serve
 
-    serve(app, token="a long random string")   # http://127.0.0.1:8765/
+    serve(app, token=os.environ["DURAFLOW_WEB_TOKEN"])   # http://127.0.0.1:8765/
 
 or ``celery -A proj duraflow web --token ...``. Without a token the view is
-read-only. It needs the ``web`` extra: ``pip install 'celery-duraflow[web]'``.
+read-only; a token that is empty, a placeholder or shorter than 16 characters
+is refused. It answers only requests whose ``Host`` is a loopback name, the
+address it listens on or a name given in ``allowed_hosts`` (``--allowed-host``),
+serves under ``url_prefix`` (``--url-prefix``) behind a reverse proxy that
+forwards the prefix, and logging out ends the session in the web process
+(restarting it logs everyone out). It needs the ``web`` extra:
+``pip install 'celery-duraflow[web]'``.
 """
 
 from __future__ import annotations

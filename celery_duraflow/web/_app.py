@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+from collections.abc import Iterable
 from datetime import datetime
 from importlib import resources
 from typing import Any
@@ -16,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
@@ -34,19 +37,22 @@ from ._data import (
     store_of,
 )
 from ._security import (
+    LOCAL_HOSTS,
     SESSION_COOKIE,
     SESSION_MAX_AGE,
     Guard,
     SecurityHeaders,
+    allowed_host_patterns,
     safe_next,
+    token_problem,
 )
 
 logger = logging.getLogger("celery_duraflow.web")
 
 TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-#: serve() warns about shorter tokens.
-MIN_TOKEN_LENGTH = 16
+#: What a URL prefix may be: one or more path segments of unreserved characters.
+_PREFIX = re.compile(r"(?:/[A-Za-z0-9._~-]+)+")
 #: The largest request body a form may send.
 MAX_BODY = 1024 * 1024
 #: Runs that ended this way can be sent again from the run page.
@@ -98,9 +104,10 @@ def _compact(payload: Any, limit: int = 200) -> str:
 class _Handlers:
     """The handlers of one app, sharing its Celery app, its guard and its templates."""
 
-    def __init__(self, celery_app: Any, guard: Guard) -> None:
+    def __init__(self, celery_app: Any, guard: Guard, prefix: str) -> None:
         self.celery_app = celery_app
         self.guard = guard
+        self.prefix = prefix
         self.env = Environment(loader=PackageLoader("celery_duraflow.web", "templates"),
                                autoescape=True, undefined=StrictUndefined,
                                trim_blocks=True, lstrip_blocks=True)
@@ -111,9 +118,9 @@ class _Handlers:
 
     # -- plumbing ----------------------------------------------------------------------------
 
-    @staticmethod
-    def root(request: Request) -> str:
-        return str(request.scope.get("root_path", "")).rstrip("/")
+    def root(self, request: Request) -> str:
+        """The path every URL of the app starts with (no trailing slash): mount + prefix."""
+        return str(request.scope.get("root_path", "")).rstrip("/") + self.prefix
 
     def run_url(self, request: Request, task_id: str, **query: str) -> str:
         url = f"{self.root(request)}/runs/{quote(task_id, safe='')}"
@@ -259,6 +266,8 @@ class _Handlers:
             await anyio.sleep(self.guard.failure_delay())
             return self.render(request, "login.html", status_code=403, next=target,
                                error="That is not the token this view was started with.")
+        # A session the browser already had ends: one browser, one live session.
+        self.guard.revoke(request.cookies.get(SESSION_COOKIE))
         response = RedirectResponse(target, status_code=303)
         response.set_cookie(SESSION_COOKIE, self.guard.new_session(), max_age=SESSION_MAX_AGE,
                             path=f"{self.root(request)}/", httponly=True, samesite="strict",
@@ -267,6 +276,8 @@ class _Handlers:
 
     async def logout(self, request: Request) -> Response:
         await self.action_form(request)
+        # Forget the session here, not only in this browser: a copy of the cookie is dead too.
+        self.guard.revoke(request.cookies.get(SESSION_COOKIE))
         root = self.root(request)
         response = RedirectResponse(f"{root}/login", status_code=303)
         response.delete_cookie(SESSION_COOKIE, path=f"{root}/", httponly=True,
@@ -373,52 +384,110 @@ class _Handlers:
                            message=str(exc))
 
 
-def create_app(celery_app: Any, *, token: str | None = None) -> Starlette:
+def check_options(*, token: str | None = None, allowed_hosts: Iterable[str] = (),
+                  url_prefix: str = "") -> tuple[list[str], str]:
+    """Check the options of :func:`create_app`; return the Host patterns and the URL prefix.
+
+    Raises ValueError, with a message that says what to give instead, for a
+    token that is empty, a placeholder or shorter than 16 characters, a host
+    name that cannot be one (or is ``*``), or a prefix that is not a plain path.
+    """
+    if token is not None:
+        problem = token_problem(token)
+        if problem is not None:
+            raise ValueError(problem)
+    patterns = allowed_host_patterns([*LOCAL_HOSTS, *allowed_hosts])
+    return patterns, _normalize_prefix(url_prefix)
+
+
+def _normalize_prefix(url_prefix: str) -> str:
+    """``/duraflow`` for ``duraflow``, ``/duraflow/`` or ``/duraflow``; ``""`` for ``/``."""
+    prefix = url_prefix.strip()
+    if prefix in ("", "/"):
+        return ""
+    if not prefix.startswith("/"):
+        prefix = "/" + prefix
+    prefix = prefix.rstrip("/")
+    if _PREFIX.fullmatch(prefix) is None or any(
+            part in (".", "..") for part in prefix.split("/")):
+        raise ValueError(f"url prefix {url_prefix!r} is not a plain path: give one such as "
+                         "/duraflow (segments of letters, digits, '.', '_', '~' and '-', "
+                         "separated by '/')")
+    return prefix
+
+
+def create_app(celery_app: Any, *, token: str | None = None,
+               allowed_hosts: Iterable[str] = (), url_prefix: str = "") -> Starlette:
     """The web view of the runs stored for ``celery_app``, as an ASGI application.
 
-    Without ``token`` (or with an empty one) it is read-only: anyone who can
-    reach it can read every run, and every POST is refused with 403. With a
-    token, visitors must log in with it before they see anything, and may
-    then approve or reject waiting runs, send signals, cancel and retry.
+    Without ``token`` it is read-only: anyone who can reach it can read every
+    run, and every POST is refused with 403. With a token, visitors must log in
+    with it before they see anything, and may then approve or reject waiting
+    runs, send signals, cancel and retry. A token that is empty, a placeholder
+    or shorter than 16 characters is refused with ValueError. Logging out ends
+    the session in this process (see :mod:`celery_duraflow.web._security`).
+
+    Only requests whose ``Host`` header names ``localhost``, ``127.0.0.1``,
+    ``[::1]`` or one of ``allowed_hosts`` (with any port) are answered; any
+    other gets a plain-text 400 before a handler runs, whatever the route. A
+    name given as ``.example.com`` allows the domain and its subdomains,
+    ``*.example.com`` the subdomains only.
+
+    ``url_prefix`` (say ``/duraflow``) puts every route, link, form, redirect,
+    the cookie's path and the stylesheet under that path, for a reverse proxy
+    that forwards the prefix unchanged (nginx: ``location /duraflow/ {
+    proxy_pass http://127.0.0.1:8765; }``). Mounted inside another ASGI app,
+    the mount's ``root_path`` comes first.
     """
-    handlers = _Handlers(celery_app, Guard(token))
+    patterns, prefix = check_options(token=token, allowed_hosts=allowed_hosts,
+                                     url_prefix=url_prefix)
+    handlers = _Handlers(celery_app, Guard(token), prefix)
     actions = ("approve", "reject", "signal", "cancel", "retry")
     routes = [
-        Route("/", handlers.runs, methods=["GET"], name="runs"),
-        *(Route(f"/runs/{{task_id:path}}/{action}", getattr(handlers, action), methods=["POST"],
-                name=action) for action in actions),
-        Route("/runs/{task_id:path}", handlers.run, methods=["GET"], name="run"),
-        Route("/login", handlers.login_page, methods=["GET"], name="login_page"),
-        Route("/login", handlers.login, methods=["POST"], name="login"),
-        Route("/logout", handlers.logout, methods=["POST"], name="logout"),
-        Route("/static/duraflow.css", handlers.stylesheet, methods=["GET"], name="css"),
+        Route(f"{prefix}/", handlers.runs, methods=["GET"], name="runs"),
+        *(Route(f"{prefix}/runs/{{task_id:path}}/{action}", getattr(handlers, action),
+                methods=["POST"], name=action) for action in actions),
+        Route(f"{prefix}/runs/{{task_id:path}}", handlers.run, methods=["GET"], name="run"),
+        Route(f"{prefix}/login", handlers.login_page, methods=["GET"], name="login_page"),
+        Route(f"{prefix}/login", handlers.login, methods=["POST"], name="login"),
+        Route(f"{prefix}/logout", handlers.logout, methods=["POST"], name="logout"),
+        Route(f"{prefix}/static/duraflow.css", handlers.stylesheet, methods=["GET"],
+              name="css"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)],
+    middleware = [
+        # Outermost, so that the refusal of a foreign Host carries the same headers.
+        Middleware(SecurityHeaders),
+        Middleware(TrustedHostMiddleware, allowed_hosts=patterns, www_redirect=False),
+    ]
+    return Starlette(routes=routes, middleware=middleware,
                      exception_handlers={HTTPException: handlers.http_error,
                                          DuraflowError: handlers.store_error})
 
 
 def serve(celery_app: Any, *, host: str = "127.0.0.1", port: int = 8765,
-          token: str | None = None) -> None:
+          token: str | None = None, allowed_hosts: Iterable[str] = (),
+          url_prefix: str = "") -> None:
     """Serve :func:`create_app` with uvicorn until interrupted (Ctrl-C).
 
     It listens on the loopback interface unless ``host`` says otherwise;
-    put it behind a proxy that adds TLS before exposing it further.
+    put it behind a proxy that adds TLS before exposing it further. The
+    ``host`` address is an allowed Host besides the loopback names and
+    ``allowed_hosts``. Raises ValueError for the options :func:`create_app`
+    refuses (a placeholder or short token, say) before listening.
     """
     import uvicorn
 
+    hosts = (host, *allowed_hosts) if host else tuple(allowed_hosts)
+    application = create_app(celery_app, token=token, allowed_hosts=hosts,
+                             url_prefix=url_prefix)
     if host not in LOOPBACK_HOSTS:
-        if token is None or not token:
+        if token is None:
             logger.warning("serving the runs read-only on %s without a token: anyone who can "
                            "reach port %d can read every run's arguments and outputs", host, port)
         else:
             logger.warning("serving on %s over plain HTTP: put a proxy with TLS in front, or "
                            "the token and the session cookie travel in the clear", host)
-    if token and len(token) < MIN_TOKEN_LENGTH:
-        logger.warning("the token is shorter than %d characters; a long random one (such as "
-                       "`python -c 'import secrets; print(secrets.token_urlsafe())'`) is safer",
-                       MIN_TOKEN_LENGTH)
-    config = uvicorn.Config(create_app(celery_app, token=token), host=host, port=port,
+    config = uvicorn.Config(application, host=host, port=port,
                             ws="none", lifespan="off", log_level="info",
                             proxy_headers=False, server_header=False)
     uvicorn.Server(config).run()
