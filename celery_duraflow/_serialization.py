@@ -5,6 +5,12 @@ JSON is the default, through kombu's encoder, so ``datetime``, ``date``,
 only used when ``duraflow_serializer = "pickle"`` asks for it, because loading
 a pickle runs code chosen by whoever could write to the table. Any other value
 is a dotted path to an object with ``dumps(obj) -> str`` and ``loads(str)``.
+
+Every stored value carries the name of the serializer that wrote it, and that
+name is only ever compared with the configuration: a row is read when it names
+``duraflow_serializer`` or one of ``duraflow_accept_serializers``, and is
+unreadable otherwise. Nothing is imported, built or called because a row named
+it, so whoever can write one row cannot run code on the workers or the web host.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 import math
 import pickle
 import reprlib
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from kombu.utils import json as kombu_json
@@ -62,67 +69,161 @@ _BUILTIN: dict[str, type[JSONSerializer] | type[PickleSerializer]] = {
 @functools.cache
 def get_serializer(name: str) -> Serializer:
     """Resolve ``duraflow_serializer`` to an object with ``dumps``/``loads``."""
+    return _build(name, f"duraflow_serializer = {name!r}")
+
+
+@functools.cache
+def _accepted_serializer(name: str) -> Serializer:
+    """Resolve an entry of ``duraflow_accept_serializers``."""
+    return _build(name, f"{name!r} in duraflow_accept_serializers")
+
+
+def _build(name: str, setting: str) -> Serializer:
+    """The serializer a setting names; ``setting`` says which, for the error messages.
+
+    Only ever called with a name taken from the configuration, never with one
+    read from a row.
+    """
     builtin = _BUILTIN.get(name)
     if builtin is not None:
         return builtin()
     module_name, _, attr = name.rpartition(".")
     if not module_name:
         raise ConfigurationError(
-            f"duraflow_serializer = {name!r} is unknown: use 'json' (the default), 'pickle', "
+            f"{setting} is unknown: use 'json' (the default), 'pickle', "
             "or a dotted path such as 'myproject.serializers.MySerializer'."
         )
     try:
         obj = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigurationError(
-            f"duraflow_serializer = {name!r} could not be imported ({exc}). Check the dotted path."
+            f"{setting} could not be imported ({exc}). Check the dotted path."
         ) from None
     if isinstance(obj, type):
         try:
             obj = obj()
         except Exception as exc:
             raise ConfigurationError(
-                f"duraflow_serializer = {name!r} is a class that cannot be built without "
+                f"{setting} is a class that cannot be built without "
                 f"arguments ({exc}). Point it at an instance or a class with a no-argument "
                 "constructor."
             ) from None
     if not (callable(getattr(obj, "dumps", None)) and callable(getattr(obj, "loads", None))):
         raise ConfigurationError(
-            f"duraflow_serializer = {name!r} has no dumps()/loads(): a serializer must provide "
+            f"{setting} has no dumps()/loads(): a serializer must provide "
             "dumps(obj) -> str and loads(str) -> obj."
         )
     serializer: Serializer = obj
     return serializer
 
 
-def decode(data: str | None, stored_with: str | None, configured: str, *, task_id: str,
-           step_key: str | None) -> Any:
-    """Load a stored value, with the serializer it was written with.
+#: Characters of a serializer name read from a row that a message shows.
+_NAME_SHOWN = 60
 
-    A pickled value is only loaded when pickle is the configured serializer,
-    so a row written by someone else cannot make a JSON deployment unpickle.
+
+def shown_name(name: str) -> str:
+    """A serializer name read from a row, fit to print: quoted, escaped, cut short."""
+    return repr(name if len(name) <= _NAME_SHOWN else name[:_NAME_SHOWN] + "...")
+
+
+class Unreadable:
+    """Stands in for a stored value whose row names a serializer that is not accepted.
+
+    The read-only views (:func:`~celery_duraflow.get_run`, ``celery duraflow
+    show``, the web view) hand it out in place of the value, which is never
+    decoded. ``str()`` is a short placeholder; ``reason`` says what was refused
+    and what to do; ``serializer`` is the name as the row holds it.
+    """
+
+    def __init__(self, serializer: str, reason: str) -> None:
+        self.serializer = serializer
+        self.reason = reason
+
+    def __str__(self) -> str:
+        return (f"<unreadable: stored with serializer {shown_name(self.serializer)}, "
+                "which is not accepted>")
+
+    __repr__ = __str__
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Unreadable) and other.serializer == self.serializer
+                and other.reason == self.reason)
+
+    def __hash__(self) -> int:
+        return hash((self.serializer, self.reason))
+
+
+def _accepted(name: str, configured: str, accept: Iterable[str]) -> Serializer | None:
+    """The serializer for a row that names ``name``, if the configuration accepts it.
+
+    ``name`` is only compared: what is resolved is the configuration's own entry.
+    """
+    if name == configured:
+        return get_serializer(configured)
+    for allowed in accept:
+        if name == allowed:
+            return _accepted_serializer(allowed)
+    return None
+
+
+def _subject(task_id: str, step_key: str | None, what: str | None) -> str:
+    if step_key is None:
+        return f"the stored {what or 'value'} of task {task_id}"
+    return f"the stored {what or 'output'} of step {step_key!r} of task {task_id}"
+
+
+def _not_accepted(name: str, configured: str, accept: Iterable[str], *, task_id: str,
+                  step_key: str | None, what: str | None) -> str:
+    how = "pickle" if name == "pickle" else f"serializer {shown_name(name)}"
+    again = (f"retry the run from that step (celery duraflow retry {task_id} --from-step "
+             f"{step_key}) so that it is stored again" if step_key is not None
+             else "retry the run so that it is stored again")
+    return (
+        f"{_subject(task_id, step_key, what)} is unreadable: it was stored with {how}, "
+        f"which is not accepted (duraflow_serializer is {configured!r}, "
+        f"duraflow_accept_serializers is {list(accept)!r}). A serializer named by a stored "
+        "row is never imported or run unless the configuration accepts it. If you trust "
+        f"the rows written with {shown_name(name)}, add it to duraflow_accept_serializers; "
+        f"otherwise {again}."
+    )
+
+
+def decode(data: str | None, stored_with: str | None, configured: str, *,
+           accept: Iterable[str] = (), task_id: str, step_key: str | None,
+           what: str | None = None, placeholder: bool = False) -> Any:
+    """Load a stored value, with the serializer its row says wrote it.
+
+    ``stored_with`` (the row's serializer column; ``None`` means
+    ``configured``) is only compared with ``configured``
+    (``duraflow_serializer``) and ``accept`` (``duraflow_accept_serializers``).
+    A row naming anything else is unreadable, pickle included: it raises
+    :class:`~celery_duraflow.errors.ConfigurationError` saying what to do,
+    or, with ``placeholder`` (the read-only views), returns an
+    :class:`Unreadable` in place of the value. ``what`` names the value in
+    messages ("returned value", "signal payload", "result"; by default the
+    "output" of a step, or the "value" of a task).
     """
     from .errors import DuraflowError
 
     if data is None:
         return None
-    name = stored_with or configured
-    if name == "pickle" and configured != "pickle":
-        raise ConfigurationError(
-            f"step {step_key!r} of task {task_id} was stored with pickle, but "
-            f"duraflow_serializer is {configured!r}. Set duraflow_serializer = 'pickle' to read "
-            "it, or retry the run from that step so that it is stored again.",
-            task_id=task_id,
-            step_key=step_key,
-        )
+    accept = tuple(accept)
+    name = configured if stored_with is None else stored_with
+    serializer = _accepted(name, configured, accept)
+    if serializer is None:
+        reason = _not_accepted(name, configured, accept, task_id=task_id, step_key=step_key,
+                               what=what)
+        if placeholder:
+            return Unreadable(name, reason)
+        raise ConfigurationError(reason, task_id=task_id, step_key=step_key)
     try:
-        return get_serializer(name).loads(data)
+        return serializer.loads(data)
     except DuraflowError:
         raise
     except Exception as exc:
         raise ConfigurationError(
-            f"the stored output of step {step_key!r} of task {task_id} could not be read with "
-            f"the {name!r} serializer ({exc}). Check duraflow_serializer.",
+            f"{_subject(task_id, step_key, what)} could not be read with the {name!r} "
+            f"serializer ({exc}). Check duraflow_serializer and duraflow_accept_serializers.",
             task_id=task_id,
             step_key=step_key,
         ) from exc

@@ -490,7 +490,8 @@ class StepContext:
         left = _LEFT.get(record.body_exit, FELL) if record and record.body_exit else FELL
         if left == RETURNED and record is not None:
             return left, decode(record.returned, record.serializer, ctx.serializer_name,
-                                task_id=ctx.task_id, step_key=self.key)
+                                accept=ctx.config.accept_serializers if ctx.config else (),
+                                task_id=ctx.task_id, step_key=self.key, what="returned value")
         if left in (BROKE, CONTINUED) and not in_loop:
             word = _EXITS[left]
             ctx.diverged(NonDeterministicReplay(
@@ -538,7 +539,9 @@ class StepContext:
 
 
 def _decode(ctx: RunContext, record: StepRecord) -> Any:
-    return decode(record.output, record.serializer, ctx.serializer_name,
+    """A replayed step's stored output, if its row names a serializer the config accepts."""
+    accept = ctx.config.accept_serializers if ctx.config is not None else ()
+    return decode(record.output, record.serializer, ctx.serializer_name, accept=accept,
                   task_id=ctx.task_id, step_key=record.key)
 
 

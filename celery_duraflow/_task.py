@@ -105,7 +105,8 @@ class DurableTask(Task):  # type: ignore[misc]
                 taken = self._not_ours(store, config, run, delivery)
                 if taken is None:
                     return decode(run.result, run.serializer, config.serializer,
-                                  task_id=task_id, step_key=None)
+                                  accept=config.accept_serializers, task_id=task_id,
+                                  step_key=None, what="result")
                 run, recorded = taken, None
 
             keeper().hold(store, task_id, owner)

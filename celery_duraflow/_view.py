@@ -21,7 +21,8 @@ class StepView:
     started_at: datetime
     completed_at: datetime | None
     #: The stored output; for a wait that has not ended (status ``waiting``), what it
-    #: waits for and until when.
+    #: waits for and until when. An :class:`~celery_duraflow._serialization.Unreadable`
+    #: when its row names a serializer the configuration does not accept.
     result: Any
     error: str | None
     position: int | None = None
@@ -76,7 +77,8 @@ def _step_view(record: StepRecord, config: Config) -> StepView:
     result = None
     if record.status in (STEP_COMPLETED, STEP_WAITING):
         result = decode(record.output, record.serializer, config.serializer,
-                        task_id=record.task_id, step_key=record.key)
+                        accept=config.accept_serializers, task_id=record.task_id,
+                        step_key=record.key, placeholder=True)
     return StepView(key=record.key, status=record.status, attempts=record.attempts,
                     started_at=record.started_at, completed_at=record.completed_at,
                     result=result, error=record.error, position=record.position,
@@ -85,8 +87,9 @@ def _step_view(record: StepRecord, config: Config) -> StepView:
 
 
 def _run_view(run: RunRecord, steps: list[StepRecord], config: Config) -> RunView:
-    result = decode(run.result, run.serializer, config.serializer, task_id=run.task_id,
-                    step_key=None)
+    result = decode(run.result, run.serializer, config.serializer,
+                    accept=config.accept_serializers, task_id=run.task_id, step_key=None,
+                    what="result", placeholder=True)
     return RunView(task_id=run.task_id, task_name=run.task_name, status=run.status,
                    attempts=run.attempts, result=result, error=run.error,
                    created_at=run.created_at, updated_at=run.updated_at,
@@ -102,7 +105,10 @@ def get_run(task_id: str, *, app: Any = None) -> RunView | None:
     """The recorded state of the run with this Celery task id, or ``None``.
 
     ``app`` defaults to Celery's current app; its ``duraflow_*`` settings
-    say which database to read.
+    say which database to read. A value whose row names a serializer that is
+    neither ``duraflow_serializer`` nor in ``duraflow_accept_serializers`` is
+    not decoded: an :class:`~celery_duraflow._serialization.Unreadable` stands
+    in for it (``str()`` of it says so).
     """
     app, config = app_and_config(app)
     store = store_for(config)

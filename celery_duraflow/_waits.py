@@ -100,6 +100,7 @@ class _Wait:
     def stored(self) -> dict[str, Any]:
         assert self.record is not None
         value = decode(self.record.output, self.record.serializer, self.ctx.serializer_name,
+                       accept=self.ctx.config.accept_serializers if self.ctx.config else (),
                        task_id=self.ctx.task_id, step_key=self.key)
         return value if isinstance(value, dict) else {}
 
@@ -240,7 +241,9 @@ def wait_for_signal(name: str, *, timeout: float | timedelta | None = None) -> A
         signal = ctx.store.get_signal(ctx.task_id, wait.key)
         if signal is not None:
             payload = decode(signal.payload, signal.serializer, ctx.serializer_name,
-                             task_id=ctx.task_id, step_key=wait.key)
+                             accept=ctx.config.accept_serializers if ctx.config else (),
+                             task_id=ctx.task_id, step_key=wait.key,
+                             what="signal payload")
             outcome = {"signal": wait.key, "payload": payload}
             wait.write(STEP_COMPLETED, outcome)
             return _signal_outcome(wait, wait.stored())
@@ -350,8 +353,9 @@ def _start_child(wait: _Wait, signature: Any, child_id: str) -> None:
 def _finish_child(wait: _Wait, child_id: str, run: RunRecord) -> dict[str, Any]:
     ctx = wait.ctx
     if run.status == SUCCEEDED:
-        result = decode(run.result, run.serializer, ctx.serializer_name, task_id=child_id,
-                        step_key=None)
+        result = decode(run.result, run.serializer, ctx.serializer_name,
+                        accept=ctx.config.accept_serializers if ctx.config else (),
+                        task_id=child_id, step_key=None, what="result")
         outcome: dict[str, Any] = {"child": child_id, "result": result}
     else:
         outcome = {"child": child_id, "failed": run.status, "error": run.error}

@@ -32,6 +32,7 @@ from ._patched import MARKER_PREFIX
 from ._recovery import recover as recover_runs
 from ._recovery import recover_forever
 from ._schema import LATEST_VERSION
+from ._serialization import Unreadable
 from ._store import (
     FINISHED,
     RUN_STATUSES,
@@ -400,6 +401,10 @@ def _step_output(view: StepView) -> str:
 
 def _value_line(value: Any) -> str:
     """A stored value as short one-line JSON (its ``repr`` if JSON cannot hold it)."""
+    if isinstance(value, Unreadable):
+        # Its row names a serializer that is not accepted: the placeholder, whole (the
+        # name in it is cut short already; the table cuts it to fit the terminal).
+        return str(value)
     try:
         text = json.dumps(value, default=json_default, ensure_ascii=False)
     except ValueError:  # a value that contains itself

@@ -17,7 +17,7 @@ from .. import _admin
 from .._compensation import COMPENSATION_PREFIX
 from .._config import config_for_app
 from .._format import json_default
-from .._serialization import decode
+from .._serialization import Unreadable, decode
 from .._store import (
     FINISHED,
     STEP_COMPLETED,
@@ -179,7 +179,13 @@ def _dump(value: Any, indent: int | None) -> str:
 
 
 def show(value: Any) -> Shown:
-    """A value as JSON (``repr`` for what JSON cannot write), indented and on one line."""
+    """A value as JSON (``repr`` for what JSON cannot write), indented and on one line.
+
+    A value left undecoded because its row names a serializer that is not
+    accepted is shown as that problem.
+    """
+    if isinstance(value, Unreadable):
+        return Shown(problem=str(value))
     text = _dump(value, 2)
     line = _dump(value, None)
     cut = max(0, len(text) - MAX_SHOWN)
@@ -188,10 +194,12 @@ def show(value: Any) -> Shown:
                  cut=cut, long=long)
 
 
-def _decoded(data: str | None, stored_with: str | None, configured: str, *, task_id: str,
-             step_key: str | None) -> Shown:
+def _decoded(data: str | None, stored_with: str | None, configured: str, *,
+             accept: tuple[str, ...], task_id: str, step_key: str | None,
+             what: str | None = None) -> Shown:
     try:
-        return show(decode(data, stored_with, configured, task_id=task_id, step_key=step_key))
+        return show(decode(data, stored_with, configured, accept=accept, task_id=task_id,
+                           step_key=step_key, what=what, placeholder=True))
     except ConfigurationError as exc:
         return Shown(problem=str(exc))
 
@@ -248,22 +256,32 @@ def _step_output(view: StepView) -> Shown | None:
     return None
 
 
-def _fallback_view(record: RunRecord, steps: list[StepRecord],
-                   configured: str) -> tuple[RunView, Shown | None, dict[str, Shown | None]]:
+def _unreadable(view: RunView) -> str | None:
+    """Why the first value get_run left undecoded is unreadable, if it left any."""
+    for value in (view.result, *(s.result for s in view.steps)):
+        if isinstance(value, Unreadable):
+            return value.reason
+    return None
+
+
+def _fallback_view(record: RunRecord, steps: list[StepRecord], configured: str,
+                   accept: tuple[str, ...],
+                   ) -> tuple[RunView, Shown | None, dict[str, Shown | None]]:
     """The run without decoding anything, and each value decoded on its own."""
     outputs: dict[str, Shown | None] = {}
     views = []
     for s in steps:
-        outputs[s.key] = (_decoded(s.output, s.serializer, configured, task_id=s.task_id,
-                                   step_key=s.key)
+        outputs[s.key] = (_decoded(s.output, s.serializer, configured, accept=accept,
+                                   task_id=s.task_id, step_key=s.key)
                           if s.status in (STEP_COMPLETED, STEP_WAITING) else None)
         views.append(StepView(key=s.key, status=s.status, attempts=s.attempts,
                               started_at=s.started_at, completed_at=s.completed_at, result=None,
                               error=s.error, position=s.position,
                               input_fingerprint=s.input_fingerprint,
                               code_fingerprint=s.code_fingerprint))
-    result = (_decoded(record.result, record.serializer, configured, task_id=record.task_id,
-                       step_key=None) if record.result is not None else None)
+    result = (_decoded(record.result, record.serializer, configured, accept=accept,
+                       task_id=record.task_id, step_key=None, what="result")
+              if record.result is not None else None)
     view = RunView(task_id=record.task_id, task_name=record.task_name, status=record.status,
                    attempts=record.attempts, result=None, error=record.error,
                    created_at=record.created_at, updated_at=record.updated_at,
@@ -285,16 +303,20 @@ def load_run_page(celery_app: Any, task_id: str) -> RunPage | None:
     try:
         view = get_run(task_id, app=celery_app)
     except ConfigurationError as exc:
-        # A value stored with another serializer: show the rest, and say which could not be read.
+        # A value its (accepted) serializer cannot read: show the rest, and say which.
         problem = str(exc)
         view, result, outputs = _fallback_view(
-            record, list(store.load_steps(task_id).values()), config.serializer)
+            record, list(store.load_steps(task_id).values()), config.serializer,
+            config.accept_serializers)
     else:
         if view is None:  # deleted between the two reads
             return None
+        # Values whose rows name a serializer that is not accepted were left undecoded.
+        problem = _unreadable(view)
         result = show(view.result) if view.result is not None else None
         outputs = {s.key: _step_output(s) for s in view.steps}
-    args = (_decoded(record.args, None, config.serializer, task_id=task_id, step_key=None)
+    args = (_decoded(record.args, None, config.serializer, accept=config.accept_serializers,
+                     task_id=task_id, step_key=None, what="arguments")
             if record.args is not None else Shown(problem="the arguments were not recorded"))
     steps = [StepItem(view=s, output=outputs.get(s.key), in_doubt=s.status == STEP_RUNNING)
              for s in view.steps]
