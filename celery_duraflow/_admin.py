@@ -2,14 +2,23 @@
 
 Every function takes a :class:`~celery_duraflow._store.Store` and uses
 SQLAlchemy Core on its tables. The listings are written so that the indexes of
-schema version 8 answer them on a table of millions of runs:
+schema versions 8 and 10 answer them on a table of millions of runs:
 
 * newest first with no status: ``(created_at)``, or ``(task_name, created_at)``
   with a task name;
 * newest first with statuses: one branch per status on ``(status, created_at)``,
   each stopping after ``limit`` rows, merged by a ``UNION ALL`` (an ``IN`` list
   would make PostgreSQL read every run of those statuses and sort them);
-* prune candidates: ``(status, updated_at)``, oldest first, one status at a time.
+* prune candidates: ``(status, updated_at)`` of the runs not pruned yet (a
+  partial index), oldest first, one status at a time;
+* tombstones to delete: ``(pruned_at)`` of the pruned runs (a partial index).
+
+Pruning a run leaves its tombstone: the row keeps its task id, task name,
+final status and times (its steps, signals, arguments, result and error go),
+so that a late redelivery of the task id is recognised and runs nothing (see
+``DurableTask._not_ours``). Tombstones are not listed, counted or shown; a later
+prune deletes those older than ``tombstones_older_than`` (by default
+:data:`TOMBSTONE_RETENTION`, far longer than any broker redelivery window).
 """
 
 from __future__ import annotations
@@ -20,7 +29,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, delete, exists, func, or_, select, union_all
+from sqlalchemy import (
+    ColumnElement,
+    Select,
+    delete,
+    exists,
+    func,
+    or_,
+    select,
+    union_all,
+    update,
+)
 
 from ._store import FINISHED, RUN_STATUSES, STEP_COMPLETED, RunRecord, Store
 
@@ -30,6 +49,11 @@ PRUNABLE = FINISHED
 UNFINISHED = tuple(status for status in RUN_STATUSES if status not in FINISHED)
 #: The largest prune batch: its task ids are bound parameters of the deletes.
 MAX_BATCH_SIZE = 10_000
+#: How long a pruned run's tombstone is kept by default. A broker may deliver a message
+#: again long after its run ended (Redis after its visibility timeout, one hour by
+#: default; SQS after at most twelve hours); a delivery that finds the tombstone runs
+#: nothing, one that finds no row would start the run again from nothing.
+TOMBSTONE_RETENTION = timedelta(days=7)
 
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86_400, "w": 604_800}
 _DURATION_PART = re.compile(r"(\d+)([smhdw])")
@@ -77,7 +101,8 @@ def _now() -> datetime:
 def _filters(store: Store, *, task_name: str | None, older_than: timedelta | None,
              newer_than: timedelta | None, now: datetime) -> list[ColumnElement[bool]]:
     runs = store.tables.runs
-    conditions: list[ColumnElement[bool]] = []
+    # A pruned run's tombstone is not a run to list or count.
+    conditions: list[ColumnElement[bool]] = [runs.c.pruned_at.is_(None)]
     if task_name is not None:
         conditions.append(runs.c.task_name == task_name)
     if older_than is not None:
@@ -215,12 +240,12 @@ def prune_candidates_query(store: Store, *, status: str, cutoff: datetime,
 
     On PostgreSQL the rows are locked (``FOR UPDATE SKIP LOCKED``) until the
     batch's transaction ends, so that a concurrent retry cannot bring a run
-    back to life between the moment it is chosen and its deletion.
+    back to life between the moment it is chosen and its pruning.
     """
     runs = store.tables.runs
     query = (select(runs.c.task_id)
-             .where(runs.c.status == status, runs.c.updated_at < cutoff,
-                    _may_go(store))
+             .where(runs.c.status == status, runs.c.pruned_at.is_(None),
+                    runs.c.updated_at < cutoff, _may_go(store))
              .order_by(runs.c.updated_at)
              .limit(batch_size))
     if store.dialect == "postgresql":
@@ -228,23 +253,35 @@ def prune_candidates_query(store: Store, *, status: str, cutoff: datetime,
     return query
 
 
-def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUNABLE,
-          batch_size: int = 1000) -> tuple[int, int]:
-    """Delete ended runs last updated more than ``older_than`` ago; (runs, steps) deleted.
-
-    Only runs in ``statuses`` (each one of ``succeeded``, ``failed``,
-    ``compensated``, ``cancelled``; ``ValueError`` for another) are deleted,
-    with their steps and signals, and never a child run whose parent has not
-    ended. Each batch of at most ``batch_size`` runs is one transaction: choose
-    the task ids, delete their steps, their signals, then the runs.
-    """
-    chosen = _prunable(statuses)
+def _check_batch_size(batch_size: int) -> None:
     if not 1 <= batch_size <= MAX_BATCH_SIZE:
         raise ValueError(f"batch_size must be between 1 and {MAX_BATCH_SIZE}, got {batch_size}")
+
+
+def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUNABLE,
+          batch_size: int = 1000,
+          tombstones_older_than: timedelta | None = TOMBSTONE_RETENTION) -> tuple[int, int]:
+    """Prune ended runs last updated more than ``older_than`` ago; (runs, steps) pruned.
+
+    Only runs in ``statuses`` (each one of ``succeeded``, ``failed``,
+    ``compensated``, ``cancelled``; ``ValueError`` for another) are pruned,
+    and never a child run whose parent has not ended. A pruned run loses its
+    steps, its signals, its arguments, its result and its error text; its row
+    stays as a tombstone (task id, task name, final status, times), so that a
+    late redelivery of its task id runs nothing. Each batch of at most
+    ``batch_size`` runs is one transaction: choose the task ids, delete their
+    steps and signals, then empty the runs' rows into tombstones.
+
+    Then tombstones pruned more than ``tombstones_older_than`` ago are
+    deleted (see :func:`delete_tombstones`); None keeps them all.
+    """
+    chosen = _prunable(statuses)
+    _check_batch_size(batch_size)
     tables = store.tables
     runs, steps, signals = tables.runs, tables.steps, tables.signals
-    cutoff = _now() - older_than
-    runs_deleted = steps_deleted = 0
+    now = _now()
+    cutoff = now - older_than
+    runs_pruned = steps_deleted = 0
     store.ensure_schema()
     engine = store._transactional()
     for status in chosen:
@@ -257,23 +294,85 @@ def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUN
                     steps_deleted += conn.execute(
                         delete(steps).where(steps.c.task_id.in_(task_ids))).rowcount
                     conn.execute(delete(signals).where(signals.c.task_id.in_(task_ids)))
-                    runs_deleted += conn.execute(
-                        delete(runs).where(runs.c.task_id.in_(task_ids),
-                                           runs.c.status == status)).rowcount
+                    runs_pruned += conn.execute(
+                        update(runs).where(runs.c.task_id.in_(task_ids),
+                                           runs.c.status == status,
+                                           runs.c.pruned_at.is_(None))
+                        .values(pruned_at=now, args=None, args_fingerprint=None,
+                                result=None, serializer=None, error=None,
+                                code_fingerprint=None, exchange=None, routing_key=None,
+                                lease_owner=None, lease_expires_at=None, wait_kind=None,
+                                waiting_for=None, wake_at=None, unwinding=None)).rowcount
             if len(task_ids) < batch_size:
                 break
-    return runs_deleted, steps_deleted
+    if tombstones_older_than is not None:
+        delete_tombstones(store, older_than=tombstones_older_than, batch_size=batch_size)
+    return runs_pruned, steps_deleted
+
+
+def tombstones_query(store: Store, *, cutoff: datetime, batch_size: int) -> Select[Any]:
+    """The task ids of the next batch of tombstones pruned before ``cutoff``, oldest first."""
+    runs = store.tables.runs
+    query = (select(runs.c.task_id)
+             .where(runs.c.pruned_at.is_not(None), runs.c.pruned_at < cutoff)
+             .order_by(runs.c.pruned_at)
+             .limit(batch_size))
+    if store.dialect == "postgresql":
+        query = query.with_for_update(skip_locked=True, of=runs)
+    return query
+
+
+def delete_tombstones(store: Store, *, older_than: timedelta = TOMBSTONE_RETENTION,
+                      batch_size: int = 1000) -> int:
+    """Delete the tombstones of runs pruned more than ``older_than`` ago; how many went.
+
+    After that a delivery of such a task id is no longer recognised: it
+    starts a new run from nothing. Keep ``older_than`` longer than the
+    longest time the broker may take to deliver a message again. A signal
+    sent to a pruned run is deleted with its tombstone.
+    """
+    _check_batch_size(batch_size)
+    tables = store.tables
+    runs, steps, signals = tables.runs, tables.steps, tables.signals
+    candidates = tombstones_query(store, cutoff=_now() - older_than, batch_size=batch_size)
+    deleted = 0
+    store.ensure_schema()
+    engine = store._transactional()
+    while True:
+        with store._unavailable("deleting tombstones of pruned runs"), engine.begin() as conn:
+            task_ids = list(conn.execute(candidates).scalars())
+            if task_ids:
+                conn.execute(delete(steps).where(steps.c.task_id.in_(task_ids)))
+                conn.execute(delete(signals).where(signals.c.task_id.in_(task_ids)))
+                deleted += conn.execute(
+                    delete(runs).where(runs.c.task_id.in_(task_ids),
+                                       runs.c.pruned_at.is_not(None))).rowcount
+        if len(task_ids) < batch_size:
+            break
+    return deleted
+
+
+def count_tombstones(store: Store, *,
+                     older_than: timedelta = TOMBSTONE_RETENTION) -> int:
+    """What :func:`delete_tombstones` would delete now; deletes nothing."""
+    runs = store.tables.runs
+    query = (select(func.count()).select_from(runs)
+             .where(runs.c.pruned_at.is_not(None), runs.c.pruned_at < _now() - older_than))
+    store.ensure_schema()
+    with store._unavailable("counting tombstones of pruned runs"), \
+            store.engine.connect() as conn:
+        return int(conn.execute(query).scalar_one())
 
 
 def count_prunable(store: Store, *, older_than: timedelta,
                    statuses: Iterable[str] = PRUNABLE) -> tuple[int, int]:
-    """What :func:`prune` would delete now, as (runs, steps); deletes nothing."""
+    """What :func:`prune` would prune now, as (runs, steps); changes nothing."""
     chosen = _prunable(statuses)
     runs, steps = store.tables.runs, store.tables.steps
     cutoff = _now() - older_than
     doomed = (select(runs.c.task_id)
-              .where(runs.c.status.in_(chosen), runs.c.updated_at < cutoff,
-                     _may_go(store)))
+              .where(runs.c.status.in_(chosen), runs.c.pruned_at.is_(None),
+                     runs.c.updated_at < cutoff, _may_go(store)))
     run_count = select(func.count()).select_from(doomed.subquery())
     step_count = (select(func.count()).select_from(steps)
                   .where(steps.c.task_id.in_(doomed)))

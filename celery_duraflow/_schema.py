@@ -82,16 +82,17 @@ def build_tables(prefix: str) -> Tables:
         *_v6_run_columns(),
         *_v7_run_columns(),
         *_v8_run_columns(),
+        *_v10_run_columns(),
     )
     steps = _v5_steps(prefix, metadata)
     for column in (*_v7_step_columns(), *_v9_step_columns()):
         steps.append_column(column)
     signals = _v6_signals(prefix, metadata)
-    Index(f"{prefix}runs_status_updated", runs.c.status, runs.c.updated_at)
     Index(f"{prefix}runs_status_lease", runs.c.status, runs.c.lease_expires_at)
     Index(f"{prefix}runs_parent", runs.c.parent_id)
     for name, columns in _v8_indexes(runs):
         Index(name, *columns)
+    _v10_indexes(runs)  # an Index on a table's columns belongs to that table
     return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps,
                   signals=signals)
 
@@ -214,6 +215,33 @@ def _v9_step_columns() -> list[Column[object]]:
         # may run the body again for (an output that cannot be stored, say).
         Column("body_exit", String(16), nullable=True),
         Column("returned", Text, nullable=True),
+    ]
+
+
+def _v10_run_columns() -> list[Column[object]]:
+    # When prune deleted the run's steps, signals, arguments, result and error: the row
+    # left behind (task id, task name, final status, times) is the run's tombstone, which
+    # keeps a late redelivery of the task id from running the run again from nothing.
+    # NULL: the run has not been pruned.
+    return [Column("pruned_at", DateTime(timezone=True), nullable=True)]
+
+
+def _v10_indexes(runs: Table) -> list[Index]:
+    """Prune's indexes, partial so that neither one grows with the other's rows.
+
+    Prune takes the oldest live runs of a status, and ``(status, updated_at)`` of
+    every run would make it step over all the tombstones (the oldest rows) each
+    batch; it replaces version 1's index of those columns. Tombstones are deleted
+    oldest first by ``pruned_at``.
+    """
+    prefix = runs.name.removesuffix("runs")
+    live = runs.c.pruned_at.is_(None)
+    pruned = runs.c.pruned_at.is_not(None)
+    return [
+        Index(f"{prefix}runs_live_status_updated", runs.c.status, runs.c.updated_at,
+              postgresql_where=live, sqlite_where=live),
+        Index(f"{prefix}runs_pruned", runs.c.pruned_at,
+              postgresql_where=pruned, sqlite_where=pruned),
     ]
 
 
@@ -345,6 +373,19 @@ def _v9_body_exits(conn: Connection, tables: Tables) -> None:
         _add_column(conn, f"{prefix}steps", column)
 
 
+def _v10_tombstones(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    for column in _v10_run_columns():
+        _add_column(conn, f"{prefix}runs", column)
+    quote = conn.dialect.identifier_preparer.quote
+    conn.execute(text(f"DROP INDEX {quote(prefix + 'runs_status_updated')}"))
+    runs = Table(f"{prefix}runs", MetaData(), Column("status", String(16)),
+                 Column("updated_at", DateTime(timezone=True)),
+                 *_v10_run_columns())
+    for index in _v10_indexes(runs):
+        index.create(conn)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -356,6 +397,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
     (7, "code and input fingerprints", _v7_fingerprints),
     (8, "cancellation and compensation, listing indexes", _v8_operations),
     (9, "how a step's body was left (return, break, continue, fatal)", _v9_body_exits),
+    (10, "pruned runs leave a tombstone; prune's partial indexes", _v10_tombstones),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

@@ -131,6 +131,8 @@ class RunRecord:
     parent_id: str | None = None
     code_fingerprint: str | None = None
     unwinding: str | None = None
+    #: When prune deleted the run's history, leaving this row as its tombstone.
+    pruned_at: datetime | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:
@@ -543,9 +545,9 @@ class Store:
 
         The run's row is always returned; the caller compares ``lease_owner``
         with its own identity to learn whether it got the lease. A run that
-        already succeeded, a run leased to a live owner, and a run recorded
-        with other arguments or under another task name are returned
-        unchanged. On PostgreSQL the same round trip returns the run's
+        already succeeded, a pruned run's tombstone, a run leased to a live
+        owner, and a run recorded with other arguments or under another task
+        name are returned unchanged. On PostgreSQL the same round trip returns the run's
         recorded steps when the lease was taken (a data-modifying CTE joined
         to the steps); elsewhere, and when the lease was not taken, the steps
         are ``None``.
@@ -560,6 +562,8 @@ class Store:
         )
         acquire = and_(
             runs.c.status != SUCCEEDED,
+            # A pruned run's tombstone is never run again: its steps are gone.
+            runs.c.pruned_at.is_(None),
             runs.c.task_name == delivery.task_name,
             fingerprint_ok,
             or_(runs.c.lease_owner.is_(None), runs.c.lease_expires_at < now,
@@ -644,7 +648,7 @@ class Store:
         stmt = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.lease_owner == dead_owner,
-                   runs.c.status != SUCCEEDED)
+                   runs.c.status != SUCCEEDED, runs.c.pruned_at.is_(None))
             .values(**self._acquired_values(delivery, now, expires))
             .returning(*runs.c)
         )
@@ -777,7 +781,8 @@ class Store:
         Running runs whose lease expired (their owner died, or their retry
         never came); sleeping and waiting runs whose time is up; and waiting
         runs whose signal or child arrived without waking them (the sender
-        died between storing the signal and sending the run).
+        died between storing the signal and sending the run). Oldest expiry
+        first; never a pruned run's tombstone.
         """
         runs = self.tables.runs
         signals = self.tables.signals
@@ -785,7 +790,7 @@ class Store:
         now = _now()
         stmt = (
             select(runs)
-            .where(or_(
+            .where(runs.c.pruned_at.is_(None), or_(
                 and_(runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
                      runs.c.lease_expires_at < now),
                 and_(runs.c.status == WAITING, runs.c.wait_kind == "signal",
@@ -840,7 +845,8 @@ class Store:
         self.ensure_schema(task_id)
         with self._unavailable("resetting the run for a retry", task_id), \
                 self._transactional().begin() as conn:
-            query = select(runs).where(runs.c.task_id == task_id)
+            # A pruned run is gone for this purpose: its steps cannot be replayed.
+            query = select(runs).where(runs.c.task_id == task_id, runs.c.pruned_at.is_(None))
             if self.dialect == "postgresql":
                 query = query.with_for_update()
             row = conn.execute(query).first()
@@ -1015,9 +1021,11 @@ class Store:
             return conn.execute(stmt).first() is not None
 
     def get_run(self, task_id: str) -> RunRecord | None:
+        """The run's row; None if there is none, or only the tombstone prune left."""
         runs = self.tables.runs
         with self._read("reading a run", task_id) as conn:
-            row = conn.execute(select(runs).where(runs.c.task_id == task_id)).first()
+            row = conn.execute(select(runs).where(runs.c.task_id == task_id,
+                                                  runs.c.pruned_at.is_(None))).first()
         return RunRecord.from_row(row) if row is not None else None
 
     def patch_status(self, marker: str, task_name: str | None = None,

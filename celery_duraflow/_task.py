@@ -231,6 +231,15 @@ class DurableTask(Task):  # type: ignore[misc]
         Returns the run when it could be taken over from a dead owner, None
         when it already succeeded (the caller returns its result), and raises
         otherwise.
+
+        A run that ended and was pruned left only its tombstone (its task id,
+        task name and final status): its steps and result are gone, so running
+        it would start from nothing and repeat every side effect. A late
+        delivery of such an id (a broker redelivery after its visibility
+        timeout, a re-sent message) therefore ends at once like a duplicate
+        delivery, with Celery's ``Ignore``: no step runs, nothing is recorded,
+        and the result backend keeps what the run stored when it ended (a
+        return value or an error would overwrite it).
         """
         task_id = run.task_id
         if run.task_name != delivery.task_name or (
@@ -243,6 +252,11 @@ class DurableTask(Task):  # type: ignore[misc]
                 "again with the old arguments, send exactly those.",
                 task_id=task_id,
             )
+        if run.pruned_at is not None:
+            logger.warning("task %s (%s) %s and was pruned at %s; this late delivery of it "
+                           "is ignored and runs no step", task_id, self.name, run.status,
+                           run.pruned_at.isoformat())
+            raise Ignore()
         if run.status == SUCCEEDED:
             logger.info("task %s (%s) already succeeded; returning its recorded result",
                         task_id, self.name)

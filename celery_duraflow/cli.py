@@ -578,22 +578,32 @@ def retry(ctx: click.Context, task_id: str, from_step: str | None) -> None:
               metavar="STATUS", cls=CeleryOption, help_group="Prune Options",
               help="Only runs in this status; repeat the option or separate statuses with "
                    f"commas ({', '.join(_admin.PRUNABLE)}; default: all of them).")
+@click.option("--tombstones-older-than", "tombstones_older_than", callback=_duration,
+              metavar="DURATION",
+              default=_duration_text(_admin.TOMBSTONE_RETENTION), show_default=True,
+              cls=CeleryOption, help_group="Prune Options",
+              help="Delete the tombstones of runs pruned more than this long ago; keep it "
+                   "longer than the broker may take to deliver a message again.")
 @click.option("--batch-size", type=click.IntRange(1, _admin.MAX_BATCH_SIZE), default=1000,
               show_default=True, cls=CeleryOption, help_group="Prune Options",
-              help="Runs deleted per transaction.")
+              help="Runs pruned per transaction.")
 @click.option("--dry-run", is_flag=True, cls=CeleryOption, help_group="Prune Options",
               help="Count what would be deleted and delete nothing.")
 @click.pass_context
 @handle_preload_options  # type: ignore[untyped-decorator]
-def prune(ctx: click.Context, older_than: timedelta, statuses: list[str], batch_size: int,
-          dry_run: bool) -> None:
-    """Delete ended runs, with their steps and signals, last updated before --older-than.
+def prune(ctx: click.Context, older_than: timedelta, statuses: list[str],
+          tombstones_older_than: timedelta, batch_size: int, dry_run: bool) -> None:
+    """Delete the steps, signals, arguments and results of ended runs last updated
+    before --older-than, leaving a tombstone of each.
 
     Only runs that succeeded, failed, were compensated or were cancelled are
-    deleted; a run that is running, sleeping or waiting never is, however old,
-    nor a child run whose parent has not ended. Each batch is one transaction.
-    Exit status 0; 1 when the store cannot be reached; 2 for a bad option
-    (such as a status of a run that has not ended).
+    pruned; a run that is running, sleeping or waiting never is, however old,
+    nor a child run whose parent has not ended. A pruned run's tombstone (its
+    task id, task name and final status) makes a late redelivery of its task
+    id run nothing; it is no longer listed or shown, and it is deleted by a
+    prune once it is older than --tombstones-older-than. Each batch is one
+    transaction. Exit status 0; 1 when the store cannot be reached; 2 for a
+    bad option (such as a status of a run that has not ended).
     """
     chosen = statuses or list(_admin.PRUNABLE)
     try:
@@ -601,17 +611,24 @@ def prune(ctx: click.Context, older_than: timedelta, statuses: list[str], batch_
         if dry_run:
             run_count, step_count = _admin.count_prunable(store, older_than=older_than,
                                                           statuses=chosen)
+            tombstones = _admin.count_tombstones(store, older_than=tombstones_older_than)
         else:
             run_count, step_count = _admin.prune(store, older_than=older_than,
-                                                 statuses=chosen, batch_size=batch_size)
+                                                 statuses=chosen, batch_size=batch_size,
+                                                 tombstones_older_than=None)
+            tombstones = _admin.delete_tombstones(store, older_than=tombstones_older_than,
+                                                  batch_size=batch_size)
     except DuraflowError as exc:
         _fail(str(exc))
     scope = f"{', '.join(chosen)} runs last updated more than {_duration_text(older_than)} ago"
+    graves = (f"{tombstones} tombstone(s) of runs pruned more than "
+              f"{_duration_text(tombstones_older_than)} ago")
     if dry_run:
         ctx.obj.echo(f"would prune {run_count} run(s) ({step_count} steps): {scope}; "
-                     "nothing was deleted (--dry-run)")
+                     f"would delete {graves}; nothing was deleted (--dry-run)")
     else:
-        ctx.obj.echo(f"pruned {run_count} run(s) ({step_count} steps): {scope}")
+        ctx.obj.echo(f"pruned {run_count} run(s) ({step_count} steps): {scope}; "
+                     f"deleted {graves}")
 
 
 @duraflow.command(cls=CeleryCommand)

@@ -28,6 +28,7 @@ from celery_duraflow._admin import (
     parse_duration,
     prune_candidates_query,
     summary_query,
+    tombstones_query,
 )
 from celery_duraflow._config import config_for_app, load_config
 from celery_duraflow._schema import LATEST_VERSION
@@ -580,6 +581,10 @@ def test_listing_and_prune_queries_use_the_indexes(pg_url: str, table_prefix: st
                 candidates = uses_an_index(prune_candidates_query(
                     store, status=status, cutoff=cutoff, batch_size=1000))
                 assert "LockRows" in candidates
+                # The index of the runs not pruned yet: tombstones are never stepped over.
+                assert f"{table_prefix}runs_live_status_updated" in candidates
+            graves = uses_an_index(tombstones_query(store, cutoff=cutoff, batch_size=1000))
+            assert f"{table_prefix}runs_pruned" in graves
 
             # And the listing is right on that table: the newest failed runs.
             newest = list_runs(store, statuses=["failed", "waiting"], limit=3)
