@@ -13,19 +13,30 @@ and resumes the run, skipping every completed step.
 Several sweepers may run at once: each run is claimed for recovery with a
 conditional update on its lease expiry, so only one of them re-sends it, and
 the lease it sets gives the new delivery time to arrive before another sweep.
+
+A run the sweep cannot send (its arguments were not recorded or cannot be
+decoded, or its task name is not registered in the sweep's app) would
+otherwise be found again by every sweep, first in line, and a page of them
+would keep every other run from being sent. Such a run is marked failed the
+first time it is met, with the reason in its error, and the sweep goes on
+with the next runs in the same pass. The sweep must therefore run with the
+workers' app (``celery -A proj``), whose task modules it imports first.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
+from collections.abc import Container
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from celery import shared_task
 
-from ._config import app_and_config, config_for_app
+from ._config import Config, app_and_config, config_for_app
 from ._serialization import decode
-from ._store import RUNNING, RunRecord, store_for
+from ._store import FAILED, RUNNING, RunRecord, store_for
 
 logger = logging.getLogger("celery_duraflow.recovery")
 
@@ -41,43 +52,144 @@ def _route(run: RunRecord) -> dict[str, Any]:
     return {}
 
 
-def send_run(app: Any, run: RunRecord) -> None:
-    """Publish a run's task again, with its task id, arguments, retry count and routing."""
-    config = config_for_app(app)
+def _arguments(run: RunRecord, config: Config) -> tuple[list[Any], dict[str, Any]]:
+    """The run's recorded positional and keyword arguments; ValueError if it has none."""
     if run.args is None:
         raise ValueError(f"task {run.task_id} ({run.task_name}) has no recorded arguments")
     payload = decode(run.args, config.serializer, config.serializer,
                      task_id=run.task_id, step_key=None)
-    app.send_task(run.task_name, args=payload.get("args", []),
-                  kwargs=payload.get("kwargs", {}), task_id=run.task_id,
+    args = payload.get("args", []) if isinstance(payload, dict) else None
+    kwargs = payload.get("kwargs", {}) if isinstance(payload, dict) else None
+    if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
+        raise ValueError(f"the recorded arguments of task {run.task_id} ({run.task_name}) are "
+                         f"not a list of arguments and a dict of keyword arguments")
+    return list(args), dict(kwargs)
+
+
+def send_run(app: Any, run: RunRecord) -> None:
+    """Publish a run's task again, with its task id, arguments, retry count and routing."""
+    args, kwargs = _arguments(run, config_for_app(app))
+    app.send_task(run.task_name, args=args, kwargs=kwargs, task_id=run.task_id,
                   retries=run.retries, **_route(run))
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    """What one sweep did: the runs it sent, and those it failed because it cannot send them."""
+
+    sent: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+# Apps whose task modules a sweep in this process has imported.
+_imported: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _registered(app: Any) -> Container[str] | None:
+    """The task names ``app`` knows, once its task modules are imported; None if unknown.
+
+    A sweep started from the command line has only imported the app's module,
+    so the modules a worker imports at start (``include``, ``imports``, the
+    autodiscovered ones) are imported here too. If that fails, no run is
+    judged by its task name.
+    """
+    if app not in _imported:
+        try:
+            app.loader.import_default_modules()
+        except Exception:
+            logger.exception("the recovery sweep could not import the task modules of app %s, "
+                             "so it sends runs without checking that their task is known",
+                             app.main)
+            return None
+        _imported.add(app)
+    return app.tasks  # type: ignore[no-any-return]
+
+
+def _unsendable(run: RunRecord, config: Config,
+                registered: Container[str] | None) -> str | None:
+    """Why the sweep cannot send ``run`` (stored as its error), or None if it can."""
+    advice = ("The run was marked failed, since no sweep can ever send it; send the work "
+              "again under a new task id.")
+    if registered is not None and run.task_name not in registered:
+        return (f"the recovery sweep cannot send task {run.task_id}: its task "
+                f"{run.task_name!r} is not registered in the sweep's Celery app (renamed or "
+                f"removed?). Run the sweep with the workers' app. {advice}")
+    if run.args is None:
+        return (f"the recovery sweep cannot send task {run.task_id} ({run.task_name}): its "
+                f"arguments were not recorded (they could not be serialized). {advice}")
+    try:
+        _arguments(run, config)
+    except Exception as exc:
+        return (f"the recovery sweep cannot send task {run.task_id} ({run.task_name}): its "
+                f"recorded arguments cannot be decoded ({type(exc).__name__}: {exc}). {advice}")
+    return None
+
+
+def _fail(app: Any, run: RunRecord, reason: str) -> bool:
+    """Mark a run the sweep cannot send failed, and wake a parent that waits for it."""
+    store = store_for(config_for_app(app))
+    if not store.fail_unsendable(run, reason):
+        return False  # a delivery or another sweeper got to it first
+    logger.error("%s (It was %s.)", reason, run.status)
+    from ._waits import wake_parent
+
+    try:
+        wake_parent(app, replace(run, status=FAILED))
+    except Exception:
+        # The parent's wait for a finished child is found by the next sweep.
+        logger.warning("task %s: could not wake the parent %s", run.task_id, run.parent_id,
+                       exc_info=True)
+    return True
+
+
+def sweep(app: Any = None, *, limit: int = 100) -> SweepResult:
+    """Wake or re-send up to ``limit`` runs that need it, failing those it cannot send.
+
+    Runs are taken oldest expiry first. A run that cannot be sent (no
+    recorded arguments, arguments that cannot be decoded, a task name the app
+    does not know) is marked failed with the reason in its error, does not
+    count against ``limit``, and the sweep reads on until it has sent
+    ``limit`` runs or none is left.
+    """
+    app, config = app_and_config(app)
+    store = store_for(config)
+    registered = _registered(app)
+    result = SweepResult()
+    seen: set[str] = set()
+    while len(result.sent) < limit:
+        found = store.recoverable_runs(limit)
+        fresh = [run for run in found if run.task_id not in seen]
+        for run in fresh:
+            if len(result.sent) >= limit:
+                break
+            seen.add(run.task_id)
+            reason = _unsendable(run, config, registered)
+            if reason is not None:
+                if _fail(app, run, reason):
+                    result.failed.append(run.task_id)
+                continue
+            if not store.mark_recovering(run, grace=config.lease_seconds):
+                continue  # another sweeper got it
+            send_run(app, run)
+            if run.status == RUNNING:
+                logger.warning("task %s (%s) had no live owner; sent it again (recovery %d)",
+                               run.task_id, run.task_name, run.recoveries + 1)
+            else:
+                logger.info("task %s (%s) was %s for %s %r; woke it", run.task_id,
+                            run.task_name, run.status, run.wait_kind, run.waiting_for)
+            result.sent.append(run.task_id)
+        if len(found) < limit or not fresh:
+            break  # every run that needs it has been seen
+    return result
 
 
 def recover(app: Any = None, *, limit: int = 100) -> list[str]:
     """Wake or re-send up to ``limit`` runs that need it; return their task ids.
 
+    Runs that cannot be sent are marked failed on the way (see :func:`sweep`).
     Safe to call from several processes at once, and from a beat task.
     """
-    app, config = app_and_config(app)
-    store = store_for(config)
-    sent: list[str] = []
-    for run in store.recoverable_runs(limit):
-        if run.args is None:
-            logger.error("task %s (%s) needs sending but its arguments were not recorded (they "
-                         "could not be serialized), so it cannot be sent", run.task_id,
-                         run.task_name)
-            continue
-        if not store.mark_recovering(run, grace=config.lease_seconds):
-            continue  # another sweeper got it
-        send_run(app, run)
-        if run.status == RUNNING:
-            logger.warning("task %s (%s) had no live owner; sent it again (recovery %d)",
-                           run.task_id, run.task_name, run.recoveries + 1)
-        else:
-            logger.info("task %s (%s) was %s for %s %r; woke it", run.task_id,
-                        run.task_name, run.status, run.wait_kind, run.waiting_for)
-        sent.append(run.task_id)
-    return sent
+    return sweep(app, limit=limit).sent
 
 
 def recover_forever(app: Any = None, *, interval: float = 10.0, limit: int = 100,

@@ -828,6 +828,32 @@ class Store:
         with self._write("marking a run to be sent again", run.task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
 
+    def fail_unsendable(self, run: RunRecord, reason: str) -> bool:
+        """End, as failed with ``reason``, a run found by the sweep that cannot be sent.
+
+        Fenced like :meth:`mark_recovering`: only if the row is still exactly
+        as the sweep read it (same status, attempts and lease), so a delivery
+        or another sweeper that got to the run first is never overruled.
+        False if it changed.
+        """
+        runs = self.tables.runs
+        now = _now()
+        same_lease = (runs.c.lease_expires_at.is_(None) if run.lease_expires_at is None
+                      else runs.c.lease_expires_at == run.lease_expires_at)
+        same_owner = (runs.c.lease_owner.is_(None) if run.lease_owner is None
+                      else runs.c.lease_owner == run.lease_owner)
+        stmt = (
+            update(runs)
+            .where(runs.c.task_id == run.task_id, runs.c.status == run.status,
+                   runs.c.attempts == run.attempts, same_lease, same_owner,
+                   runs.c.pruned_at.is_(None))
+            .values(status=FAILED, error=reason[:4000], updated_at=now, finished_at=now,
+                    lease_owner=None, lease_expires_at=None, interrupted=False,
+                    wait_kind=None, waiting_for=None, wake_at=None, unwinding=None)
+        )
+        with self._write("recording that the run cannot be sent", run.task_id) as conn:
+            return bool(conn.execute(stmt).rowcount)
+
     def reset_for_retry(self, task_id: str, *, from_step: str | None, grace: float,
                         compensation_prefix: str) -> RunRecord:
         """Make an ended run runnable again under its task id, in one transaction.

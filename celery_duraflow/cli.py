@@ -29,8 +29,7 @@ from ._format import json_default, span
 from ._operations import cancel as cancel_run
 from ._operations import retry_run
 from ._patched import MARKER_PREFIX
-from ._recovery import recover as recover_runs
-from ._recovery import recover_forever
+from ._recovery import recover_forever, sweep
 from ._schema import LATEST_VERSION
 from ._serialization import Unreadable
 from ._store import (
@@ -68,8 +67,12 @@ def _sweep_options(fn: Any) -> Any:
 def _sweep(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
     app: Any = ctx.obj.app
     if once:
-        sent = recover_runs(app, limit=limit)
+        done = sweep(app, limit=limit)
+        sent, failed = done.sent, done.failed
         ctx.obj.echo(f"sent {len(sent)} run(s)" + (": " + " ".join(sent) if sent else ""))
+        if failed:
+            ctx.obj.echo(f"marked {len(failed)} run(s) failed that cannot be sent (see their "
+                         "error with duraflow show): " + " ".join(failed))
         return
     ctx.obj.echo(f"waking due runs and re-sending lost ones every {interval:g}s "
                  "(Ctrl-C to stop)")
@@ -81,7 +84,13 @@ def _sweep(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
 @click.pass_context
 @handle_preload_options  # type: ignore[untyped-decorator]
 def recover(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
-    """Send runs that need it: lost runs (lease expired) and due sleeps and waits."""
+    """Send runs that need it: lost runs (lease expired) and due sleeps and waits.
+
+    A run that cannot be sent (no recorded arguments, arguments that cannot
+    be decoded, a task the app does not know) is marked failed, with the
+    reason in its error, so that it does not hold up the others: run this
+    command with the workers' app.
+    """
     _sweep(ctx, once, interval, limit)
 
 
@@ -90,7 +99,10 @@ def recover(ctx: click.Context, once: bool, interval: float, limit: int) -> None
 @click.pass_context
 @handle_preload_options  # type: ignore[untyped-decorator]
 def wake(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
-    """Wake sleeping and waiting runs whose time is up (the same sweep as recover)."""
+    """Wake sleeping and waiting runs whose time is up (the same sweep as recover).
+
+    Like recover, it marks failed the runs it cannot send.
+    """
     _sweep(ctx, once, interval, limit)
 
 
