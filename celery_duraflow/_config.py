@@ -23,6 +23,9 @@ DEFAULT_ETA_THRESHOLD = 60.0
 # How long a store that cannot be reached is waited out (re-sending the task with
 # backoff) before the task fails with StoreUnavailable.
 DEFAULT_STORE_OUTAGE_TIMEOUT = 300.0
+# How many times the sweep may send a run again after its owner was lost (a worker that
+# died, a retry message that never came) before it fails the run instead.
+DEFAULT_MAX_RECOVERIES = 5
 
 _PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
 
@@ -34,8 +37,8 @@ _CACHE_ATTR = "_duraflow_config"
 # typo, and a typo must not quietly fall back to a default (the SQLite file, say).
 KNOWN_KEYS = (
     "accept_serializers", "auto_migrate", "database_url", "engine_options", "eta_threshold",
-    "lease_seconds", "on_code_change", "on_divergence", "serializer", "store_outage_timeout",
-    "table_prefix",
+    "lease_seconds", "max_recoveries", "on_code_change", "on_divergence", "serializer",
+    "store_outage_timeout", "table_prefix",
 )
 # Environment variables the library reads besides the settings (the web view's token),
 # and prefixes left to test suites and benchmarks (this project's own use them).
@@ -64,6 +67,18 @@ class Config:
     # them are read; a row naming anything else is unreadable. Nothing is imported
     # because a row names it.
     accept_serializers: tuple[str, ...] = ()
+    max_recoveries: int = DEFAULT_MAX_RECOVERIES
+
+
+def _as_count(value: Any, key: str, default: int) -> int:
+    """A whole number of at least 0, from a setting or an environment string."""
+    if value is None:
+        return default
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value.strip())
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ConfigurationError(f"{key} must be a whole number of at least 0, got {value!r}.")
 
 
 def _policy(value: Any, key: str, default: str) -> str:
@@ -252,6 +267,8 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
             _setting(conf, "store_outage_timeout", env), "duraflow_store_outage_timeout",
             DEFAULT_STORE_OUTAGE_TIMEOUT, minimum=0.0),
         accept_serializers=tuple(sorted(set(accept))),
+        max_recoveries=_as_count(_setting(conf, "max_recoveries", env),
+                                 "duraflow_max_recoveries", DEFAULT_MAX_RECOVERIES),
     )
 
 

@@ -59,6 +59,16 @@ class RunContext:
     compensations: list[tuple[str, Any, Any]] = field(default_factory=list)
     # The key of the last step whose body raised in this attempt, for the log.
     failed_step: str | None = None
+    # The Celery task id of the delivery (``task_id`` is the run key: the same, except
+    # for a durable replacement, whose key is ``<task id>~r<nesting>``), and the
+    # replacement nesting of the run.
+    celery_id: str = ""
+    level: int = 0
+    # Set when the attempt asked for a retry without raising it (retry(throw=False)):
+    # the Retry Celery sent. The attempt then ends without ending the run.
+    retry_sent: Any = None
+    # Set by DurableTask.replace: the attempt ends with the run replaced.
+    replaced: bool = False
 
     def stop_if_unwinding(self, key: str) -> None:
         """At a step boundary: stop the run here if it is being cancelled or unwound."""

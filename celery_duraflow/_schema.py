@@ -83,6 +83,7 @@ def build_tables(prefix: str) -> Tables:
         *_v7_run_columns(),
         *_v8_run_columns(),
         *_v10_run_columns(),
+        *_v11_run_columns(),
     )
     steps = _v5_steps(prefix, metadata)
     for column in (*_v7_step_columns(), *_v9_step_columns()):
@@ -224,6 +225,13 @@ def _v10_run_columns() -> list[Column[object]]:
     # keeps a late redelivery of the task id from running the run again from nothing.
     # NULL: the run has not been pruned.
     return [Column("pruned_at", DateTime(timezone=True), nullable=True)]
+
+
+def _v11_run_columns() -> list[Column[object]]:
+    # Set on the row of a Celery task id that Task.replace replaced: the run key of its
+    # first durable replacement (``<task id>~r<nesting>``), since Celery gives the
+    # replacement the same task id. NULL: never replaced.
+    return [Column("replaced_by", String(TASK_ID_LENGTH), nullable=True)]
 
 
 def _v10_indexes(runs: Table) -> list[Index]:
@@ -386,6 +394,12 @@ def _v10_tombstones(conn: Connection, tables: Tables) -> None:
         index.create(conn)
 
 
+def _v11_replacements(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    for column in _v11_run_columns():
+        _add_column(conn, f"{prefix}runs", column)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -398,6 +412,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
     (8, "cancellation and compensation, listing indexes", _v8_operations),
     (9, "how a step's body was left (return, break, continue, fatal)", _v9_body_exits),
     (10, "pruned runs leave a tombstone; prune's partial indexes", _v10_tombstones),
+    (11, "replaced runs point to their replacement", _v11_replacements),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

@@ -67,8 +67,17 @@ FAILED = "failed"
 COMPENSATED = "compensated"
 CANCELLED = "cancelled"
 # A run in one of these has ended for good; nothing runs it again by itself.
-FINISHED = (SUCCEEDED, FAILED, COMPENSATED, CANCELLED)
-RUN_STATUSES = ("running", "sleeping", "waiting", "succeeded", "failed", "compensated", "cancelled")
+# Ended the way Celery ends a task without a result: the task raised Ignore, raised
+# Reject(requeue=False), or was replaced by another signature (Task.replace).
+IGNORED = "ignored"
+REJECTED = "rejected"
+REPLACED = "replaced"
+FINISHED = (SUCCEEDED, FAILED, COMPENSATED, CANCELLED, IGNORED, REJECTED, REPLACED)
+RUN_STATUSES = ("running", "sleeping", "waiting", "succeeded", "failed", "compensated",
+                "cancelled", "ignored", "rejected", "replaced")
+# A delivery of a run in one of these never runs it again: a succeeded run answers with its
+# result, a replaced run's work belongs to its replacement.
+NOT_RERUN = (SUCCEEDED, REPLACED)
 
 # Step statuses.
 STEP_RUNNING = "running"
@@ -133,6 +142,9 @@ class RunRecord:
     unwinding: str | None = None
     #: When prune deleted the run's history, leaving this row as its tombstone.
     pruned_at: datetime | None = None
+    #: Set on the row of a Celery task id that was replaced (Task.replace): the run key
+    #: of its first durable replacement, ``<task id>~r<nesting>``.
+    replaced_by: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:
@@ -561,7 +573,7 @@ class Store:
                      runs.c.args_fingerprint == delivery.args_fingerprint)
         )
         acquire = and_(
-            runs.c.status != SUCCEEDED,
+            runs.c.status.not_in(NOT_RERUN),
             # A pruned run's tombstone is never run again: its steps are gone.
             runs.c.pruned_at.is_(None),
             runs.c.task_name == delivery.task_name,
@@ -648,7 +660,7 @@ class Store:
         stmt = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.lease_owner == dead_owner,
-                   runs.c.status != SUCCEEDED, runs.c.pruned_at.is_(None))
+                   runs.c.status.not_in(NOT_RERUN), runs.c.pruned_at.is_(None))
             .values(**self._acquired_values(delivery, now, expires))
             .returning(*runs.c)
         )
@@ -668,6 +680,84 @@ class Store:
             .values(status=status, result=result, serializer=serializer, error=error,
                     updated_at=now, finished_at=now, lease_owner=None, lease_expires_at=None,
                     interrupted=False, unwinding=None)
+        )
+        with self._write(f"recording the run as {status}", task_id) as conn:
+            return bool(conn.execute(stmt).rowcount)
+
+    def update_arguments(self, task_id: str, owner: str, args: str | None,
+                         fingerprint: str | None) -> bool:
+        """Record the arguments a retry of this run was asked to bring (``retry(args=...)``).
+
+        Written under the lease of the attempt that asks for the retry, before the
+        retry is sent, so the next delivery's arguments match the record and every
+        delivery the run did not ask for (the old message, redelivered) still does
+        not. False if this owner lost the lease.
+        """
+        runs, steps = self.tables.runs, self.tables.steps
+        stmt = (
+            update(runs)
+            .where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
+            .values(args=args, args_fingerprint=fingerprint, updated_at=_now())
+        )
+        # With other arguments the next attempt is not a replay of the steps recorded so
+        # far: they keep their outputs (a step the code reaches again under its key is
+        # still answered from the record) but not their places in the order, which the
+        # replay check compares only among steps recorded under the same arguments.
+        unordered = (
+            update(steps)
+            .where(steps.c.task_id == task_id, steps.c.position.is_not(None))
+            .values(position=None)
+        )
+        self.ensure_schema(task_id)
+        with self._unavailable("recording the arguments of the retry", task_id), \
+                self._transactional().begin() as conn:
+            if not conn.execute(stmt).rowcount:
+                return False
+            conn.execute(unordered)
+            return True
+
+    def mark_replaced(self, celery_id: str, run_key: str, owner: str,
+                      replaced_by: str) -> None:
+        """Note, before a replacement is sent, where the replacement of ``celery_id`` runs.
+
+        Celery gives a replacement the replaced task's id. The row of that id
+        points to the replacement's run key from then on (only the first time:
+        later replacements follow from their nesting), so a delivery of the
+        replacement never takes the replaced run's steps.
+        """
+        runs = self.tables.runs
+        mine = (runs.c.lease_owner == owner) if run_key == celery_id else true()
+        stmt = (
+            update(runs)
+            .where(runs.c.task_id == celery_id, runs.c.replaced_by.is_(None), mine)
+            .values(replaced_by=replaced_by, updated_at=_now())
+        )
+        with self._write("recording that the task was replaced", run_key) as conn:
+            conn.execute(stmt)
+
+    def end_lost_attempt(self, task_id: str, *, pid: int | None, status: str,
+                         error: str) -> bool:
+        """End, as Celery ended it, a run whose attempt the worker killed (a hard time
+        limit) or lost (``WorkerLostError`` that Celery does not redeliver).
+
+        Called by the worker's main process, which does not know the attempt's
+        owner: the update only applies while the run is still ``running`` and
+        leased by a process with that pid on this machine, so a later attempt
+        elsewhere is never overruled. False if nothing matched.
+        """
+        from ._lease import machine_id
+
+        runs = self.tables.runs
+        held = runs.c.lease_owner.is_not(None)
+        if pid is not None:
+            held = runs.c.lease_owner.like(f"%|{machine_id()}|{int(pid)}|%")
+        now = _now()
+        stmt = (
+            update(runs)
+            .where(runs.c.task_id == task_id, runs.c.status == RUNNING, held,
+                   runs.c.pruned_at.is_(None))
+            .values(status=status, error=error[:4000], updated_at=now, finished_at=now,
+                    lease_owner=None, lease_expires_at=None, interrupted=False)
         )
         with self._write(f"recording the run as {status}", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)

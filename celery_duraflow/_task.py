@@ -7,13 +7,16 @@ import logging
 import random
 import time
 import types
+from contextvars import ContextVar
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
+from celery.result import ResultBase
 
+from ._canvas import install_canvas_fixes
 from ._compensation import unwind
 from ._config import Config, config_for_app
 from ._context import RunContext, Suspended, Unwind, current_run, describe
@@ -28,7 +31,18 @@ from ._serialization import (
     get_serializer,
 )
 from ._signals import install_signal_handlers
-from ._store import FAILED, SUCCEEDED, Delivery, RunRecord, StepRecord, Store, store_for
+from ._store import (
+    FAILED,
+    IGNORED,
+    REJECTED,
+    REPLACED,
+    SUCCEEDED,
+    Delivery,
+    RunRecord,
+    StepRecord,
+    Store,
+    store_for,
+)
 from ._waits import wake_parent
 from .errors import (
     LeaseLost,
@@ -45,6 +59,39 @@ logger = logging.getLogger("celery_duraflow.task")
 OUTAGE_HEADER = "duraflow_outage"
 # How many leases after a retry was due the sweep waits before re-sending it.
 RETRY_GRACE_LEASES = 10
+# Celery's own tasks (celery.accumulate, celery.chord_unlock, celery.backend_cleanup...)
+# have no steps. An app-wide task_cls of DurableTask makes them DurableTask subclasses;
+# they run as plain Celery tasks all the same.
+CELERY_BUILTIN_PREFIX = "celery."
+# The run key of a durable replacement: Celery gives a replacement the replaced task's
+# id, and the run of that id belongs to the replaced task.
+REPLACEMENT_MARK = "~r"
+
+# (Celery task id, run key) of the replacement an eager Task.replace is applying right
+# now: eager requests carry no replacement nesting, so the key is passed this way.
+_eager_replacement: ContextVar[tuple[str, str] | None] = ContextVar(
+    "duraflow_eager_replacement", default=None)
+# The attempt whose retry(args=..., kwargs=...) is building its signature right now.
+_retry_arguments: ContextVar[RunContext | None] = ContextVar(
+    "duraflow_retry_arguments", default=None)
+
+
+def replacement_key(task_id: str, level: int) -> str:
+    """The run key of the replacement of ``task_id`` at replacement nesting ``level``."""
+    return f"{task_id}{REPLACEMENT_MARK}{level}"
+
+
+def _level_of(run_key: str) -> int:
+    """The replacement nesting a run key stands for (0 for a task id of its own)."""
+    _, mark, level = run_key.rpartition(REPLACEMENT_MARK)
+    return int(level) if mark and level.isdigit() else 0
+
+
+def _nesting(request: Any) -> int:
+    try:
+        return int(request.get("replaced_task_nesting") or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 class DurableTask(Task):  # type: ignore[misc]
@@ -58,6 +105,10 @@ class DurableTask(Task):  # type: ignore[misc]
     ``run`` is prepared when the class is created, so ``with step(...)``
     blocks directly in it can be skipped on a replay.
     """
+
+    #: The worker's request class: it records in the store how Celery ended an attempt
+    #: that could not say so itself (a hard time limit, a lost worker process).
+    Request = "celery_duraflow._request:DurableRequest"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -79,10 +130,12 @@ class DurableTask(Task):  # type: ignore[misc]
             # first attempt of some worker thread (the result is cached per code object).
             code_fingerprint(cls.run)
         install_signal_handlers()
+        install_canvas_fixes()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        task_id = self.request.id
-        if task_id is None:
+        request = self.request
+        task_id = request.id
+        if task_id is None or self.name.startswith(CELERY_BUILTIN_PREFIX):
             # Called like a function (task(...)): no id, so no run of its own. Inside a
             # durable run its steps join that run, like a @durable helper's would.
             return super().__call__(*args, **kwargs)
@@ -91,14 +144,26 @@ class DurableTask(Task):  # type: ignore[misc]
         config = config_for_app(self._get_app())
         store = store_for(config)
         serializer = get_serializer(config.serializer)
+        run_key, nesting = task_id, _nesting(request)
+        pending = _eager_replacement.get()
+        if pending is not None and pending[0] == task_id and request.is_eager:
+            run_key = pending[1]
+            nesting = _level_of(run_key)
         outer = current_run.get()
         # An eager retry nested in its caller's attempt continues under the caller's lease.
-        owner = outer.owner if outer is not None and outer.task_id == task_id else new_owner()
+        owner = (outer.owner if outer is not None and outer.task_id == run_key
+                 else new_owner())
         delivery = self._delivery(owner, args, kwargs, serializer, config.serializer)
         # Every statement of this attempt goes to one connection, kept until it ends.
         with store.held_connection():
             try:
-                run, recorded = store.begin_attempt(task_id, delivery)
+                run, recorded = store.begin_attempt(run_key, delivery)
+                if (run.lease_owner != owner and run.replaced_by is not None
+                        and run_key == task_id and nesting >= _level_of(run.replaced_by)):
+                    # A replacement (Task.replace gave it the replaced task's id): its run
+                    # is its own, never the replaced one's.
+                    run_key = check_task_id(replacement_key(task_id, nesting))
+                    run, recorded = store.begin_attempt(run_key, delivery)
             except StoreUnavailable as exc:
                 self._come_back_later(exc, config)
             if run.lease_owner != owner:
@@ -109,16 +174,16 @@ class DurableTask(Task):  # type: ignore[misc]
                                   step_key=None, what="result")
                 run, recorded = taken, None
 
-            keeper().hold(store, task_id, owner)
+            keeper().hold(store, run_key, owner)
             try:
                 return self._attempt(store, config, serializer, run, recorded, owner, args,
-                                     kwargs)
+                                     kwargs, celery_id=task_id, level=nesting)
             finally:
-                keeper().release(store, task_id, owner)
+                keeper().release(store, run_key, owner)
 
     def _attempt(self, store: Store, config: Config, serializer: Serializer, run: RunRecord,
                  recorded: dict[str, StepRecord] | None, owner: str, args: tuple[Any, ...],
-                 kwargs: dict[str, Any]) -> Any:
+                 kwargs: dict[str, Any], *, celery_id: str, level: int) -> Any:
         task_id = run.task_id
         if recorded is None:
             try:
@@ -129,10 +194,11 @@ class DurableTask(Task):  # type: ignore[misc]
         ctx = RunContext(task_id=task_id, task_name=self.name, owner=owner, store=store,
                          serializer=serializer, serializer_name=config.serializer,
                          recorded=recorded, interrupted=run.interrupted, task=self,
-                         config=config, unwinding=run.unwinding)
+                         config=config, unwinding=run.unwinding, celery_id=celery_id,
+                         level=level)
         token = current_run.set(ctx)
         try:
-            result = super().__call__(*args, **kwargs)
+            result = self._run_body(args, kwargs)
         except Suspended as suspended:
             # The run sleeps or waits; the wait recorded that and released the lease.
             if suspended.countdown is not None:
@@ -159,12 +225,17 @@ class DurableTask(Task):  # type: ignore[misc]
                           + RETRY_GRACE_LEASES * config.lease_seconds)
             raise
         except Reject as exc:
-            self._release(store, task_id, owner,
-                          recover_after=config.lease_seconds if exc.requeue else None)
+            if exc.requeue:
+                # Celery puts the message back: the run goes on with that delivery.
+                self._release(store, task_id, owner, recover_after=config.lease_seconds)
+            else:
+                self._end(ctx, run, REJECTED, f"Reject: {exc.reason!r}")
             raise
-        except Ignore:
-            # The task chose to stop here (Task.replace, say): nothing to resume.
-            self._release(store, task_id, owner, recover_after=None)
+        except Ignore as exc:
+            # Celery considers the task done, without a result: so is the run. A
+            # replaced run's work goes on in its replacement, under a run key of its own.
+            self._end(ctx, run, REPLACED if ctx.replaced else IGNORED,
+                      None if ctx.replaced else f"Ignore: {exc}"[:4000] if str(exc) else None)
             raise
         except LeaseLost as exc:
             logger.warning("task %s: %s", task_id, exc)
@@ -183,21 +254,13 @@ class DurableTask(Task):  # type: ignore[misc]
         finally:
             current_run.reset(token)
 
-        try:
-            data = serializer.dumps(result)
-        except Exception as error:
-            found = find_unstorable(result, serializer, root="result")
-            what = (f"{describe(result)}, in which {found[0]} is {found[1]}" if found
-                    else describe(result))
-            refused = StepOutputNotSerializable(
-                f"task {task_id} ({self.name}) returned {what}, which the "
-                f"{config.serializer!r} serializer cannot store ({error}). Return plain data, or "
-                "configure duraflow_serializer.",
-                task_id=task_id,
-            )
-            if self._record_failure(ctx, refused):
-                wake_parent(self._get_app(), run)
-            raise refused from error
+        if ctx.retry_sent is not None:
+            # retry(throw=False): Celery sent the retry and this attempt returns as well.
+            # The run goes on in that retry, which replays the completed steps.
+            self._release(store, task_id, owner, recover_after=_seconds_until(
+                ctx.retry_sent.when) + RETRY_GRACE_LEASES * config.lease_seconds)
+            return result
+        data = self._stored_result(ctx, run, serializer, result)
         if store.finish_run(task_id, owner, SUCCEEDED, result=data,
                             serializer=config.serializer):
             wake_parent(self._get_app(), run)
@@ -205,6 +268,107 @@ class DurableTask(Task):  # type: ignore[misc]
             logger.warning("task %s finished, but another attempt owns the run now; its "
                            "result was not recorded", task_id)
         return result
+
+    def _stored_result(self, ctx: RunContext, run: RunRecord, serializer: Serializer,
+                       result: Any) -> str | None:
+        """The run's result as stored: what Celery's result backends would store.
+
+        A result object (an AsyncResult, a GroupResult) is stored as its tuple,
+        as Celery's backends store it. A value the serializer cannot store fails
+        the run with StepOutputNotSerializable, unless Celery keeps no result of
+        this task (``ignore_result``): then the run records that it kept none
+        (None), and a late delivery of it returns None. An eager call stores its
+        result like any other, since applying the same task id again answers
+        with it.
+        """
+        config = ctx.config
+        assert config is not None
+        stored = result
+        if config.serializer != "pickle" and isinstance(result, ResultBase):
+            stored = result.as_tuple()
+        try:
+            return serializer.dumps(stored)
+        except Exception as error:
+            if not self._keeps_result():
+                logger.info("task %s (%s) returned %s, which the %r serializer cannot store; "
+                            "the task ignores its result, so the run records none",
+                            ctx.task_id, self.name, describe(result), config.serializer)
+                return None
+            found = find_unstorable(stored, serializer, root="result")
+            what = (f"{describe(result)}, in which {found[0]} is {found[1]}" if found
+                    else describe(result))
+            refused = StepOutputNotSerializable(
+                f"task {ctx.task_id} ({self.name}) returned {what}, which the "
+                f"{config.serializer!r} serializer cannot store ({error}). Return plain data, "
+                "set ignore_result=True if the result is not needed, or configure "
+                "duraflow_serializer.",
+                task_id=ctx.task_id,
+            )
+            if self._record_failure(ctx, refused):
+                wake_parent(self._get_app(), run)
+            raise refused from error
+
+    def _keeps_result(self) -> bool:
+        """Whether the task's result is kept: not with ``ignore_result`` (the task's
+        or, as Celery reads it, the request's)."""
+        from celery.app.task import get_actual_ignore_result
+
+        return not get_actual_ignore_result(self, self.request)
+
+    def _run_body(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the task's body, as Celery's ``Task.__call__`` would.
+
+        Celery's tracer has already pushed this request (and the task onto the
+        current-task stack) before calling the task, and Celery's worker
+        patches ``Task.__call__`` not to push them again. An eager call gets
+        no such patch; where the next ``__call__`` after this class's is
+        Celery's own, the body is called directly, so the request is pushed
+        once, as for a plain task. A ``__call__`` of the user's own further
+        down the class hierarchy is always called.
+        """
+        stack = self.request_stack
+        request = stack.top
+        if (_next_call_is_celerys(type(self)) and request is not None
+                and len(stack) == 1 and not request.called_directly):
+            return self.run(*args, **kwargs)
+        return super().__call__(*args, **kwargs)
+
+    def _end(self, ctx: RunContext, run: RunRecord, status: str, error: str | None) -> None:
+        """End the run with ``status`` as Celery ended the task (Ignore, Reject, replace)."""
+        try:
+            ended = ctx.store.finish_run(ctx.task_id, ctx.owner, status, error=error)
+        except StoreUnavailable:
+            logger.warning("could not record that task %s was %s; the sweep will send it "
+                           "again when its lease expires", ctx.task_id, status, exc_info=True)
+            return
+        if ended:
+            logger.info("task %s (%s) was %s", ctx.task_id, self.name, status)
+            wake_parent(self._get_app(), replace(run, status=status))
+
+    def replace(self, sig: Any) -> Any:
+        """Celery's ``Task.replace``; the replacement's run is its own.
+
+        Celery gives the replacement this task's id. Before the replacement is
+        sent, the run of that id records where the replacement's run lives
+        (``<task id>~r<nesting>``), so a durable replacement never answers a
+        step from the replaced run's record, and the replaced run ends as
+        ``replaced`` (in an eager call, which returns the replacement's result,
+        as ``succeeded`` with that result).
+        """
+        ctx = current_run.get()
+        request = self.request
+        if ctx is None or ctx.celery_id != request.id or ctx.task is not self:
+            return super().replace(sig)
+        level = (ctx.level if request.is_eager else _nesting(request)) + 1
+        key = check_task_id(replacement_key(ctx.celery_id, level))
+        ctx.store.mark_replaced(ctx.celery_id, ctx.task_id, ctx.owner, key)
+        ctx.replaced = True
+        token = _eager_replacement.set((ctx.celery_id, key)) if request.is_eager else None
+        try:
+            return super().replace(sig)
+        finally:
+            if token is not None:
+                _eager_replacement.reset(token)
 
     def _delivery(self, owner: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                   serializer: Serializer, serializer_name: str) -> Delivery:
@@ -242,6 +406,10 @@ class DurableTask(Task):  # type: ignore[misc]
         return value or an error would overwrite it).
         """
         task_id = run.task_id
+        if run.status == REPLACED:
+            logger.warning("task %s (%s) was replaced by another task; this late delivery of "
+                           "it is ignored and runs no step", task_id, self.name)
+            raise Ignore()
         if run.task_name != delivery.task_name or (
                 run.args_fingerprint and delivery.args_fingerprint
                 and run.args_fingerprint != delivery.args_fingerprint):
@@ -273,17 +441,57 @@ class DurableTask(Task):  # type: ignore[misc]
                     task_id, run.lease_owner)
         raise Ignore()
 
-    def retry(self, *args: Any, **kwargs: Any) -> Any:
-        """Celery's ``retry``, except for a run whose replay diverged from its record.
+    def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,
+              eta: Any = None, countdown: Any = None, max_retries: Any = None,
+              **options: Any) -> Any:
+        """Celery's ``retry``, continuing the same run.
 
-        Retrying such a run would only diverge again (and ``autoretry_for``
-        would do it for any exception class it lists), so the divergence is
-        raised instead and the run fails.
+        - A run whose replay diverged from its record, or that failed for good,
+          is not retried (it would only fail again; ``autoretry_for`` would do
+          it for any exception class it lists): that error is raised instead.
+        - ``args``/``kwargs`` (pagination, a cursor) become the run's recorded
+          arguments before the retry is sent, under this attempt's lease: the
+          retry's delivery matches them, and any other delivery of the task id
+          with the old arguments is refused as before.
+        - With ``throw=False`` the attempt may return after asking for the
+          retry; the run does not end then, and the retry replays the steps
+          that completed.
         """
         ctx = current_run.get()
-        if ctx is not None and ctx.task_id == self.request.id and ctx.fatal is not None:
+        mine = ctx is not None and ctx.celery_id == self.request.id and ctx.task is self
+        if mine and ctx is not None and ctx.fatal is not None:
             raise ctx.fatal
-        return super().retry(*args, **kwargs)
+        new_arguments = mine and (args is not None or kwargs is not None)
+        token = _retry_arguments.set(ctx if new_arguments else None)
+        try:
+            sent = super().retry(args=args, kwargs=kwargs, exc=exc, throw=throw, eta=eta,
+                                 countdown=countdown, max_retries=max_retries, **options)
+        finally:
+            _retry_arguments.reset(token)
+        if mine and ctx is not None and isinstance(sent, Retry):
+            ctx.retry_sent = sent
+        return sent
+
+    def signature_from_request(self, request: Any = None, args: Any = None,
+                               kwargs: Any = None, queue: Any = None,
+                               **extra_options: Any) -> Any:
+        """Celery's ``signature_from_request``; for a retry with new arguments, the
+        arguments it will send are recorded as the run's before it is sent."""
+        signature = super().signature_from_request(request, args, kwargs, queue,
+                                                   **extra_options)
+        ctx = _retry_arguments.get()
+        if ctx is not None and "retries" in extra_options:
+            _retry_arguments.set(None)
+            blob, fingerprint = encode_arguments(
+                tuple(signature.args or ()), dict(signature.kwargs or {}), ctx.serializer,
+                task_id=ctx.task_id, task_name=self.name,
+                serializer_name=ctx.serializer_name)
+            if not ctx.store.update_arguments(ctx.task_id, ctx.owner, blob, fingerprint):
+                raise LeaseLost(
+                    f"task {ctx.task_id} ({self.name}) lost its lease before its retry with "
+                    "new arguments could be recorded; the retry was not sent.",
+                    task_id=ctx.task_id)
+        return signature
 
     def _come_back_later(self, exc: StoreUnavailable, config: Config) -> NoReturn:
         """The store is down before the run could start: send this delivery again later.
@@ -358,6 +566,18 @@ class DurableTask(Task):  # type: ignore[misc]
             # The sweep wakes the run a lease after its time instead.
             logger.warning("task %s: could not send itself for %.1fs from now; the sweep will "
                            "wake it", self.request.id, countdown, exc_info=True)
+
+
+def _next_call_is_celerys(cls: type) -> bool:
+    """Whether the ``__call__`` that follows DurableTask's in ``cls``'s MRO is Celery's."""
+    cached: bool | None = cls.__dict__.get("_duraflow_plain_call")
+    if cached is None:
+        mro = cls.__mro__
+        following = mro[mro.index(DurableTask) + 1:]
+        owner = next((klass for klass in following if "__call__" in klass.__dict__), Task)
+        cached = owner is Task
+        cls._duraflow_plain_call = cached  # type: ignore[attr-defined]
+    return cached
 
 
 def _seconds_until(when: Any) -> float:

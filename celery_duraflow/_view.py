@@ -64,6 +64,9 @@ class RunView:
     #: Who holds the run now (the attempt's process) and until when, if anyone.
     lease_owner: str | None = None
     lease_expires_at: datetime | None = None
+    #: Set when the task was replaced (Task.replace): the task id under which its first
+    #: durable replacement's run is recorded (``<task id>~r<nesting>``).
+    replaced_by: str | None = None
 
     def step(self, key: str) -> StepView:
         """The step stored under ``key``; ``KeyError`` if there is none."""
@@ -98,7 +101,8 @@ def _run_view(run: RunRecord, steps: list[StepRecord], config: Config) -> RunVie
                    wait_kind=run.wait_kind, waiting_for=run.waiting_for, wake_at=run.wake_at,
                    parent_id=run.parent_id, code_fingerprint=run.code_fingerprint,
                    retries=run.retries, recoveries=run.recoveries, unwinding=run.unwinding,
-                   lease_owner=run.lease_owner, lease_expires_at=run.lease_expires_at)
+                   lease_owner=run.lease_owner, lease_expires_at=run.lease_expires_at,
+                   replaced_by=run.replaced_by)
 
 
 def get_run(task_id: str, *, app: Any = None) -> RunView | None:

@@ -9,6 +9,8 @@
 * ``PROJ_LEASE_SECONDS``: ``duraflow_lease_seconds`` (default 30).
 * ``PROJ_EVENT_LOG``: a file the chaos task appends its events to (see :mod:`.chaos`).
 * ``PROJ_ETA_THRESHOLD``: ``duraflow_eta_threshold`` (default 60).
+* ``PROJ_DEFAULT_QUEUE``: ``task_default_queue``, for tasks that send other tasks
+  (Task.replace, canvases) without naming a queue.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ DATABASE_URL = _required("PROJ_DATABASE_URL")
 TABLE_PREFIX = os.environ.get("PROJ_TABLE_PREFIX") or "proj_"
 
 app = Celery("proj", broker=BROKER_URL, backend=RESULT_BACKEND,
-             include=[f"{__package__}.tasks", f"{__package__}.chaos", f"{__package__}.waits"])
+             include=[f"{__package__}.tasks", f"{__package__}.chaos", f"{__package__}.waits",
+                      f"{__package__}.citizen"])
 app.conf.update(
     duraflow_database_url=DATABASE_URL,
     duraflow_table_prefix=TABLE_PREFIX,
@@ -49,6 +52,8 @@ app.conf.update(
     accept_content=["json"],
     result_expires=3600,
 )
+if os.environ.get("PROJ_DEFAULT_QUEUE"):
+    app.conf.task_default_queue = os.environ["PROJ_DEFAULT_QUEUE"]
 
 
 @worker_init.connect
