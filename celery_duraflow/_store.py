@@ -973,8 +973,15 @@ class Store:
             if run.status not in FINISHED or run.unwinding is not None:
                 raise RunStateError(
                     f"run {task_id} is {run.status}, so it cannot be retried: only a run "
-                    "that has ended (failed, compensated, cancelled or succeeded) can. Cancel "
-                    "it first if it must stop.", task_id=task_id)
+                    "that has ended (failed, compensated, cancelled, ignored, rejected or "
+                    "succeeded) can. Cancel it first if it must stop.", task_id=task_id)
+            if run.status == REPLACED:
+                replacement = run.replaced_by or "a plain task, not recorded"
+                raise RunStateError(
+                    f"run {task_id} was replaced (Task.replace): its work went on in its "
+                    "replacement, whose run is recorded under the task id with ~r and the "
+                    f"replacement's nesting appended (the first: {replacement}). Retry that run "
+                    "instead.", task_id=task_id)
             undone_keys = [row[0].removeprefix(compensation_prefix) for row in conn.execute(
                 select(steps.c.step_key).where(
                     steps.c.task_id == task_id,

@@ -23,10 +23,11 @@ from celery import Celery, chain
 from celery.result import AsyncResult
 from sqlalchemy import create_engine, text
 
-from celery_duraflow import DurableTask, get_run, step
+from celery_duraflow import DurableTask, get_run, retry_run, step
 from celery_duraflow._config import config_for_app
 from celery_duraflow._recovery import sweep
 from celery_duraflow._store import Delivery, close_all_stores, store_for
+from celery_duraflow.errors import RunStateError
 from tests.conftest import drop_project_tables, run_worker, wait_for_status
 from tests.workers import (
     client_app,
@@ -148,6 +149,8 @@ def test_durable_replacement_is_a_run_of_its_own(worker: Worker) -> None:
     run = worker.run(result.id, "replaced")
     assert run.error is None and run.replaced_by == f"{result.id}~r1"
     assert worker.run(f"{result.id}~r1", "succeeded").task_name == "proj.replacement"
+    with pytest.raises(RunStateError, match="replaced"):
+        retry_run(result.id, app=worker.client)
 
 
 def test_redelivery_of_a_replaced_task_runs_nothing(worker: Worker) -> None:

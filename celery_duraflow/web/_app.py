@@ -25,7 +25,17 @@ from starlette.routing import Route
 
 from .._format import span
 from .._operations import cancel, retry_run
-from .._store import CANCELLED, COMPENSATED, FAILED, FINISHED, RUN_STATUSES, SLEEPING, WAITING
+from .._store import (
+    CANCELLED,
+    COMPENSATED,
+    FAILED,
+    FINISHED,
+    IGNORED,
+    REJECTED,
+    RUN_STATUSES,
+    SLEEPING,
+    WAITING,
+)
 from .._waits import send_signal
 from ..errors import DuraflowError, RunNotFound, RunStateError, StoreUnavailable
 from ._data import (
@@ -56,7 +66,7 @@ _PREFIX = re.compile(r"(?:/[A-Za-z0-9._~-]+)+")
 #: The largest request body a form may send.
 MAX_BODY = 1024 * 1024
 #: Runs that ended this way can be sent again from the run page.
-RETRYABLE = (FAILED, CANCELLED, COMPENSATED)
+RETRYABLE = (FAILED, CANCELLED, COMPENSATED, IGNORED, REJECTED)
 
 READ_ONLY_REFUSAL = ("This view is read-only: it was started without a token, so nothing can "
                      "be changed from it. Start it with --token (or DURAFLOW_WEB_TOKEN) to "
