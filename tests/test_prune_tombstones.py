@@ -264,7 +264,8 @@ def test_tombstones_are_deleted_by_a_later_prune_after_their_retention(
     assert count_tombstones(store) == 1
     lines = _duraflow(app, "prune", "--older-than", "30d", "--dry-run").stdout.splitlines()
     assert lines == ["would prune 0 run(s) (0 steps): succeeded, failed, compensated, "
-                     "cancelled runs last updated more than 30d ago; would delete 1 "
+                     "cancelled, ignored, rejected, replaced runs last updated more than 30d "
+                     "ago; would delete 1 "
                      "tombstone(s) of runs pruned more than 7d ago; nothing was deleted "
                      "(--dry-run)"]
     assert _row(app, old) is not None
