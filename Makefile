@@ -48,3 +48,17 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
+
+# make docs: the documentation site (docs/, Sphinx with MyST and furo) in docs/_build/html,
+# with the `docs` extra installed on top of the dev one. Every warning is an error, as in CI.
+# SPHINXOPTS=-E rebuilds every page (an incremental build reports only the pages it rereads).
+DOCS_STAMP := $(VENV)/.installed-docs
+
+.PHONY: docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[dev,docs]'
+	@touch $@
+
+docs: $(DOCS_STAMP)
+	$(BIN)/sphinx-build -W --keep-going -b html $(SPHINXOPTS) docs docs/_build/html
