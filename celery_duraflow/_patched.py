@@ -38,8 +38,10 @@ def patched(name: str) -> bool:
 
     New runs, and runs that had not reached this point under the old code,
     get True (and record it); runs whose old code already went past it get
-    False. The answer never changes for a run. See the module docstring for
-    how to retire a patch.
+    False. The answer never changes for a run. Once no run started under the
+    old code remains, delete the call and keep the new branch: the marker
+    takes no position among the steps, so the runs that recorded it replay
+    unchanged.
     """
     ctx = current_run.get()
     check_name(name, ctx)

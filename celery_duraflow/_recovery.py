@@ -194,7 +194,9 @@ def sweep(app: Any = None, *, limit: int = 100) -> SweepResult:
 def recover(app: Any = None, *, limit: int = 100) -> list[str]:
     """Wake or re-send up to ``limit`` runs that need it; return their task ids.
 
-    Runs that cannot be sent are marked failed on the way (see :func:`sweep`).
+    Runs that cannot be sent (no recorded or decodable arguments, a task the
+    app does not register, more than ``duraflow_max_recoveries`` recoveries)
+    are marked failed on the way, with the reason as their error.
     Safe to call from several processes at once, and from a beat task.
     """
     return sweep(app, limit=limit).sent
@@ -224,7 +226,9 @@ def recover_task(self: Any, limit: int = 100) -> int:
 
 
 def recovery_beat_entry(every: float = 30.0, *, limit: int = 100) -> dict[str, Any]:
-    """A ``beat_schedule`` entry that runs the recovery sweep every ``every`` seconds::
+    """A ``beat_schedule`` entry that runs the recovery sweep every ``every`` seconds.
+
+    For example::
 
         app.conf.beat_schedule = {"duraflow-recover": recovery_beat_entry()}
     """

@@ -21,7 +21,7 @@ class StepView:
     started_at: datetime
     completed_at: datetime | None
     #: The stored output; for a wait that has not ended (status ``waiting``), what it
-    #: waits for and until when. An :class:`~celery_duraflow._serialization.Unreadable`
+    #: waits for and until when. An ``Unreadable`` placeholder
     #: when its row names a serializer the configuration does not accept.
     result: Any
     error: str | None
@@ -111,7 +111,7 @@ def get_run(task_id: str, *, app: Any = None) -> RunView | None:
     ``app`` defaults to Celery's current app; its ``duraflow_*`` settings
     say which database to read. A value whose row names a serializer that is
     neither ``duraflow_serializer`` nor in ``duraflow_accept_serializers`` is
-    not decoded: an :class:`~celery_duraflow._serialization.Unreadable` stands
+    not decoded: an ``Unreadable`` placeholder stands
     in for it (``str()`` of it says so).
     """
     app, config = app_and_config(app)

@@ -608,14 +608,14 @@ def prune(ctx: click.Context, older_than: timedelta, statuses: list[str],
     """Delete the steps, signals, arguments and results of ended runs last updated
     before --older-than, leaving a tombstone of each.
 
-    Only runs that succeeded, failed, were compensated or were cancelled are
-    pruned; a run that is running, sleeping or waiting never is, however old,
-    nor a child run whose parent has not ended. A pruned run's tombstone (its
-    task id, task name and final status) makes a late redelivery of its task
-    id run nothing; it is no longer listed or shown, and it is deleted by a
-    prune once it is older than --tombstones-older-than. Each batch is one
-    transaction. Exit status 0; 1 when the store cannot be reached; 2 for a
-    bad option (such as a status of a run that has not ended).
+    Only runs that ended (succeeded, failed, compensated, cancelled, ignored,
+    rejected or replaced) are pruned; a run that is running, sleeping or waiting
+    never is, however old, nor a child run whose parent has not ended. A pruned
+    run's tombstone (its task id, task name and final status) makes a late
+    redelivery of its task id run nothing; it is no longer listed or shown, and
+    it is deleted by a prune once it is older than --tombstones-older-than. Each
+    batch is one transaction. Exit status 0; 1 when the store cannot be reached;
+    2 for a bad option (such as a status of a run that has not ended).
     """
     chosen = statuses or list(_admin.PRUNABLE)
     try:

@@ -57,8 +57,6 @@ nitpick_ignore_regex = [
 # documented API, so there is nothing to link to.
 nitpick_ignore = [
     ("py:class", "celery_duraflow._store.RunRecord"),  # what retry_run() returns
-    ("py:class", "celery_duraflow._serialization.Unreadable"),  # get_run()'s docstring
-    ("py:func", "sweep"),  # recover()'s docstring: celery_duraflow._recovery.sweep
 ]
 
 
