@@ -18,21 +18,19 @@ _installed = False
 _lock = threading.Lock()
 
 
-def _has_durable_link(chain: Any) -> bool:
-    from ._task import DurableTask
-
+def _has_durable_link(chain: Any, durable: type) -> bool:
     for link in chain.tasks:
         try:
             task = link.type
         except Exception:  # a group, a chord, a signature of an unknown task
             continue
-        if isinstance(task, DurableTask):
+        if isinstance(task, durable):
             return True
     return False
 
 
-def install_canvas_fixes() -> None:
-    """Wrap Celery's eager ``chain.apply`` once per process."""
+def install_canvas_fixes(durable: type) -> None:
+    """Wrap Celery's eager ``chain.apply`` once per process; ``durable`` is DurableTask."""
     global _installed
     if _installed:
         return
@@ -45,7 +43,7 @@ def install_canvas_fixes() -> None:
 
         def apply(self: Any, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
             task_id = options.get("task_id") or self.options.get("task_id")
-            if task_id is None or len(self.tasks) < 2 or not _has_durable_link(self):
+            if task_id is None or len(self.tasks) < 2 or not _has_durable_link(self, durable):
                 return original(self, args, kwargs, **options)
             options = {key: value for key, value in options.items() if key != "task_id"}
             clone = self.clone()

@@ -7,6 +7,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ._lease import keeper
 from ._limits import check_key
 from .errors import DuraflowError, NonDeterministicReplay
 
@@ -73,8 +74,6 @@ class RunContext:
     def stop_if_unwinding(self, key: str) -> None:
         """At a step boundary: stop the run here if it is being cancelled or unwound."""
         if self.unwinding is None:
-            from ._lease import keeper
-
             if not keeper().cancelled(self.task_id, self.owner):
                 return
             self.unwinding = "cancel"

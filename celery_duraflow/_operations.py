@@ -7,7 +7,7 @@ from typing import Any
 
 from ._compensation import COMPENSATION_PREFIX
 from ._config import app_and_config
-from ._recovery import send_run
+from ._send import send_run
 from ._store import FINISHED, RunRecord, store_for
 from .errors import RunNotFound
 

@@ -35,42 +35,12 @@ from typing import Any
 from celery import shared_task
 
 from ._config import Config, app_and_config, config_for_app
-from ._serialization import decode
+from ._send import recorded_arguments, send_run, wake_parent
 from ._store import FAILED, RUNNING, RunRecord, store_for
 
 logger = logging.getLogger("celery_duraflow.recovery")
 
 RECOVER_TASK_NAME = "celery_duraflow.recover"
-
-
-def _route(run: RunRecord) -> dict[str, Any]:
-    if run.exchange and run.routing_key:
-        return {"exchange": run.exchange, "routing_key": run.routing_key}
-    if run.routing_key:
-        # The default exchange routes by queue name.
-        return {"queue": run.routing_key}
-    return {}
-
-
-def _arguments(run: RunRecord, config: Config) -> tuple[list[Any], dict[str, Any]]:
-    """The run's recorded positional and keyword arguments; ValueError if it has none."""
-    if run.args is None:
-        raise ValueError(f"task {run.task_id} ({run.task_name}) has no recorded arguments")
-    payload = decode(run.args, config.serializer, config.serializer,
-                     task_id=run.task_id, step_key=None)
-    args = payload.get("args", []) if isinstance(payload, dict) else None
-    kwargs = payload.get("kwargs", {}) if isinstance(payload, dict) else None
-    if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
-        raise ValueError(f"the recorded arguments of task {run.task_id} ({run.task_name}) are "
-                         f"not a list of arguments and a dict of keyword arguments")
-    return list(args), dict(kwargs)
-
-
-def send_run(app: Any, run: RunRecord) -> None:
-    """Publish a run's task again, with its task id, arguments, retry count and routing."""
-    args, kwargs = _arguments(run, config_for_app(app))
-    app.send_task(run.task_name, args=args, kwargs=kwargs, task_id=run.task_id,
-                  retries=run.retries, **_route(run))
 
 
 @dataclass(frozen=True)
@@ -126,7 +96,7 @@ def _unsendable(run: RunRecord, config: Config,
         return (f"the recovery sweep cannot send task {run.task_id} ({run.task_name}): its "
                 f"arguments were not recorded (they could not be serialized). {advice}")
     try:
-        _arguments(run, config)
+        recorded_arguments(run, config)
     except Exception as exc:
         return (f"the recovery sweep cannot send task {run.task_id} ({run.task_name}): its "
                 f"recorded arguments cannot be decoded ({type(exc).__name__}: {exc}). {advice}")
@@ -139,8 +109,6 @@ def _fail(app: Any, run: RunRecord, reason: str) -> bool:
     if not store.fail_unsendable(run, reason):
         return False  # a delivery or another sweeper got to it first
     logger.error("%s (It was %s.)", reason, run.status)
-    from ._waits import wake_parent
-
     try:
         wake_parent(app, replace(run, status=FAILED))
     except Exception:

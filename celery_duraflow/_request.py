@@ -18,6 +18,7 @@ from celery.worker import state
 from celery.worker.request import Request
 
 from ._config import config_for_app
+from ._send import wake_parent
 from ._store import FAILED, store_for
 
 logger = logging.getLogger("celery_duraflow.task")
@@ -83,8 +84,6 @@ class DurableRequest(Request):  # type: ignore[misc]
             return
         if ended:
             logger.error("task %s (%s) failed: %s", self.id, task.name, error)
-            from ._waits import wake_parent
-
             run = store.get_run(self.id)
             if run is not None:
                 try:

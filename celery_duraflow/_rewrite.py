@@ -23,175 +23,25 @@ any frame whose code lacks it (fail closed).
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
-import hashlib
 import inspect
 import logging
 import sys
-import textwrap
-import threading
 import types
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from ._context import current_run
+from ._fingerprint import code_fingerprint as code_fingerprint  # where older code looked for it
+from ._fingerprint import fingerprint_nodes, parse_source
+from ._step import BROKE, CONTINUED, FELL, GUARD_NAME, LEAVE_NAME, RETURNED, guard, leave
 from .errors import UnsupportedCode
-
-if TYPE_CHECKING:
-    from ._step import StepContext
 
 logger = logging.getLogger("celery_duraflow.rewrite")
 
-GUARD_NAME = "__duraflow_guard__"
-LEAVE_NAME = "__duraflow_leave__"
-# Codes of how a body is left (Block.left); the store keeps them as _store.BODY_* names.
-FELL, RETURNED, BROKE, CONTINUED = 0, 1, 2, 3
 _PREPARED_ATTR = "__duraflow_prepared__"
 _FACTORY_NAME = "__duraflow_factory__"
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class Block:
-    """One ``with`` statement's body as it runs: whether it runs, and how it is left.
-
-    ``left`` is one of FELL, RETURNED, BROKE or CONTINUED: set by the code the
-    rewrite adds where control leaves the body, and, for a body skipped on a
-    replay, taken from the record of the step, so the replay leaves the same way.
-    ``value`` is the returned value (as stored), ``data`` its stored text.
-    """
-
-    __slots__ = ("data", "left", "run", "steps", "value")
-
-    def __init__(self, run: bool, steps: list[StepContext]) -> None:
-        self.run = run
-        self.steps = steps
-        self.left = FELL
-        self.value: Any = None
-        self.data: str | None = None
-
-
-# The block of a `with` that entered no step (or ran outside a durable run): it runs, and
-# nothing reads how it is left, so one object serves them all.
-_PLAIN = Block(True, [])
-
-
-def guard(fingerprint: str | None = None, in_loop: bool = False,
-          suspends: bool = False) -> Block:
-    """The block of the ``with`` statement whose body starts now.
-
-    Called at the top of every ``with`` body with the fingerprint of that
-    body's code; the steps entered by that ``with`` statement take it (and a
-    replayed one compares it with the fingerprint it recorded). ``in_loop``
-    says whether the statement sits in a loop of its function (a recorded
-    ``break`` or ``continue`` can only be re-enacted there); ``suspends`` that
-    its body contains ``yield`` or ``await``, which no step body may.
-    """
-    ctx = current_run.get()
-    if ctx is None or not ctx.entered:
-        return _PLAIN
-    entered, ctx.entered = ctx.entered, []
-    block = Block(ctx.stack[-1]._should_run, entered)
-    for step in entered:
-        step._block = block
-        step.code_seen(fingerprint)
-    innermost = entered[-1]
-    if suspends:
-        raise UnsupportedCode(
-            f"the body of step {innermost.key!r} in task {ctx.task_id} contains yield or "
-            "await, which would suspend the step half-way; a replay could not resume it "
-            "there. Compute the value inside the step and yield or await outside it.",
-            task_id=ctx.task_id, step_key=innermost.key)
-    if not block.run:
-        block.left, block.value = innermost._replayed_exit(in_loop)
-    return block
-
-
-def leave(blocks: tuple[Block, ...], how: int, value: Any = None) -> Any:
-    """Control leaves the bodies of ``blocks`` by return, break or continue.
-
-    Each block's steps record it when they end. A returned value goes
-    through the serializer first and what comes back is returned, as with
-    ``s.result``, so the first attempt and a replay return equal values.
-    """
-    if how == RETURNED:
-        for block in reversed(blocks):
-            running = [step for step in block.steps if step._running]
-            if running:
-                value, data = running[-1]._returning(value, blocks)
-                break
-        else:
-            data = None
-    else:
-        data = None
-    for block in blocks:
-        if block.steps:
-            block.left, block.data = how, data
-    return value
-
-
-# CPython 3.11 (3.11.7 here, at least) keeps one counter for every thread's AST
-# construction, so two threads parsing at once can fail with "SystemError: AST constructor
-# recursion depth mismatch" (python/cpython#106905; seen in this project's test suite).
-# Worker threads fingerprint code while the main thread prepares tasks: every parse here
-# goes through this lock.
-_PARSE_LOCK = threading.Lock()
-
-
-def _parse(source: str, filename: str = "<unknown>") -> ast.Module:
-    with _PARSE_LOCK:
-        try:
-            return ast.parse(source, filename=filename)
-        except SystemError:
-            # Someone else's parse (not under this lock) ran at the same moment: once more.
-            return ast.parse(source, filename=filename)
-
-
-def _digest(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def fingerprint_nodes(nodes: list[ast.stmt]) -> str:
-    """A fingerprint of some code: its syntax tree without positions or comments.
-
-    Moving code to other lines, reindenting it or editing comments keeps the
-    fingerprint; changing what it does (or its docstrings) changes it.
-    """
-    module = ast.Module(body=nodes, type_ignores=[])
-    return _digest(ast.dump(module, annotate_fields=False, include_attributes=False))
-
-
-@functools.lru_cache(maxsize=2048)
-def _code_fingerprint(code: types.CodeType) -> str:
-    try:
-        tree = _parse(textwrap.dedent(inspect.getsource(code)))
-    except (OSError, TypeError, SyntaxError, IndentationError):
-        # No source: the bytecode and constants stand in for it.
-        return _bytecode_fingerprint(code)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-            node.decorator_list = []  # retry options and the like are not the code
-    return fingerprint_nodes(tree.body)
-
-
-def _bytecode_fingerprint(code: types.CodeType) -> str:
-    # Nested code objects by their own fingerprint: their repr holds a memory address.
-    consts = [_bytecode_fingerprint(c) if isinstance(c, types.CodeType) else repr(c)
-              for c in code.co_consts]
-    return _digest(code.co_code.hex() + repr(consts) + repr(code.co_names))
-
-
-def code_fingerprint(fn: Any) -> str | None:
-    """A fingerprint of a function's code, or None for callables without Python code."""
-    target = getattr(fn, "__func__", fn)
-    with contextlib.suppress(ValueError):  # a cycle of __wrapped__
-        target = inspect.unwrap(target)
-    code = getattr(target, "__code__", None)
-    if not isinstance(code, types.CodeType):
-        # A callable object: the code of its class's __call__.
-        code = getattr(inspect.getattr_static(type(target), "__call__", None), "__code__", None)
-    return _code_fingerprint(code) if isinstance(code, types.CodeType) else None
 
 
 _SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
@@ -437,7 +287,7 @@ def _rewrite(fn: types.FunctionType) -> types.FunctionType | None:
     try:
         # Parse indented source inside "if 1:" rather than dedenting it: column offsets
         # and multi-line strings stay exactly as written.
-        tree = _parse("if 1:\n" + source if indented else source, filename=filename)
+        tree = parse_source("if 1:\n" + source if indented else source, filename=filename)
     except SyntaxError:
         logger.debug("source of %s does not parse on its own; it stays unprepared",
                      fn.__qualname__)

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from kombu.utils import json as kombu_json
 
-from .errors import ConfigurationError, RunArgumentsNotSerializable
+from .errors import ConfigurationError, DuraflowError, RunArgumentsNotSerializable
 
 
 class Serializer(Protocol):
@@ -203,8 +203,6 @@ def decode(data: str | None, stored_with: str | None, configured: str, *,
     messages ("returned value", "signal payload", "result"; by default the
     "output" of a step, or the "value" of a task).
     """
-    from .errors import DuraflowError
-
     if data is None:
         return None
     accept = tuple(accept)

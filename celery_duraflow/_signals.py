@@ -10,6 +10,7 @@ from typing import Any
 from celery.signals import worker_process_init, worker_ready
 
 from ._config import config_for_app
+from ._store import all_stores
 from .errors import ConfigurationError
 
 logger = logging.getLogger("celery_duraflow.worker")
@@ -23,8 +24,6 @@ _lock = threading.Lock()
 
 def _reset_engines_after_fork(**_kwargs: Any) -> None:
     # A prefork child inherits the parent's pool: drop it without closing the parent's sockets.
-    from ._store import all_stores
-
     for store in all_stores():
         store.dispose_after_fork()
 

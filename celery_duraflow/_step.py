@@ -11,10 +11,10 @@ from types import TracebackType
 from typing import Any, ParamSpec, TypeVar
 
 from ._context import RunContext, Suspended, Unwind, current_run, describe
+from ._fingerprint import code_fingerprint
 from ._lease import keeper
 from ._limits import shown
-from ._rewrite import BROKE, CONTINUED, FELL, GUARD_NAME, RETURNED, Block, code_fingerprint
-from ._serialization import decode, find_unstorable
+from ._serialization import decode, find_unstorable, fingerprint
 from ._store import (
     BODY_BREAK,
     BODY_CONTINUE,
@@ -38,6 +38,7 @@ from .errors import (
     StepNotPrepared,
     StepOutputNotSerializable,
     StoreUnavailable,
+    UnsupportedCode,
 )
 from .signals import step_failed, step_replayed, step_started, step_succeeded
 
@@ -52,6 +53,11 @@ _IDEMPOTENCY_NAMESPACE = uuid.UUID("6f1d4c1e-2b7a-5d3e-9c4f-0a8b7e6d5c4b")
 
 
 _EPOCH = datetime.fromtimestamp(0, UTC)
+# The names the rewrite (_rewrite.py) gives the runtime below inside a prepared function.
+GUARD_NAME = "__duraflow_guard__"
+LEAVE_NAME = "__duraflow_leave__"
+# Codes of how a body is left (Block.left).
+FELL, RETURNED, BROKE, CONTINUED = 0, 1, 2, 3
 # How a body was left (Block.left) <-> the steps' body_exit column.
 _EXITS = {FELL: None, RETURNED: BODY_RETURN, BROKE: BODY_BREAK, CONTINUED: BODY_CONTINUE}
 _LEFT = {name: code for code, name in _EXITS.items() if name is not None}
@@ -159,8 +165,6 @@ class StepContext:
         ctx.check_order(self.key, self.position)
         self._input_fp: str | None = None
         if input is not _NO_INPUT:
-            from ._serialization import fingerprint
-
             self._input_fp = fingerprint(input, ctx.serializer)
         self._code_fp: str | None = None
         if compensate is not None and not callable(compensate):
@@ -536,6 +540,89 @@ class StepContext:
             task_id=ctx.task_id,
             step_key=self.key,
         )
+
+
+# -- The runtime of prepared functions -----------------------------------------------------
+# The rewrite calls guard() at the top of every `with` body and leave() where control
+# leaves one by return, break or continue: they decide, with the step, whether the body
+# runs and how a skipped one is left.
+
+class Block:
+    """One ``with`` statement's body as it runs: whether it runs, and how it is left.
+
+    ``left`` is one of FELL, RETURNED, BROKE or CONTINUED: set by the code the
+    rewrite adds where control leaves the body, and, for a body skipped on a
+    replay, taken from the record of the step, so the replay leaves the same way.
+    ``value`` is the returned value (as stored), ``data`` its stored text.
+    """
+
+    __slots__ = ("data", "left", "run", "steps", "value")
+
+    def __init__(self, run: bool, steps: list[StepContext]) -> None:
+        self.run = run
+        self.steps = steps
+        self.left = FELL
+        self.value: Any = None
+        self.data: str | None = None
+
+
+# The block of a `with` that entered no step (or ran outside a durable run): it runs, and
+# nothing reads how it is left, so one object serves them all.
+_PLAIN = Block(True, [])
+
+
+def guard(fingerprint: str | None = None, in_loop: bool = False,
+          suspends: bool = False) -> Block:
+    """The block of the ``with`` statement whose body starts now.
+
+    Called at the top of every ``with`` body with the fingerprint of that
+    body's code; the steps entered by that ``with`` statement take it (and a
+    replayed one compares it with the fingerprint it recorded). ``in_loop``
+    says whether the statement sits in a loop of its function (a recorded
+    ``break`` or ``continue`` can only be re-enacted there); ``suspends`` that
+    its body contains ``yield`` or ``await``, which no step body may.
+    """
+    ctx = current_run.get()
+    if ctx is None or not ctx.entered:
+        return _PLAIN
+    entered, ctx.entered = ctx.entered, []
+    block = Block(ctx.stack[-1]._should_run, entered)
+    for step in entered:
+        step._block = block
+        step.code_seen(fingerprint)
+    innermost = entered[-1]
+    if suspends:
+        raise UnsupportedCode(
+            f"the body of step {innermost.key!r} in task {ctx.task_id} contains yield or "
+            "await, which would suspend the step half-way; a replay could not resume it "
+            "there. Compute the value inside the step and yield or await outside it.",
+            task_id=ctx.task_id, step_key=innermost.key)
+    if not block.run:
+        block.left, block.value = innermost._replayed_exit(in_loop)
+    return block
+
+
+def leave(blocks: tuple[Block, ...], how: int, value: Any = None) -> Any:
+    """Control leaves the bodies of ``blocks`` by return, break or continue.
+
+    Each block's steps record it when they end. A returned value goes
+    through the serializer first and what comes back is returned, as with
+    ``s.result``, so the first attempt and a replay return equal values.
+    """
+    if how == RETURNED:
+        for block in reversed(blocks):
+            running = [step for step in block.steps if step._running]
+            if running:
+                value, data = running[-1]._returning(value, blocks)
+                break
+        else:
+            data = None
+    else:
+        data = None
+    for block in blocks:
+        if block.steps:
+            block.left, block.data = how, data
+    return value
 
 
 def _decode(ctx: RunContext, record: StepRecord) -> Any:

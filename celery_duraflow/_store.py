@@ -53,8 +53,15 @@ from sqlalchemy.exc import (
 )
 
 from ._config import Config
+from ._lease import machine_id
 from ._schema import LATEST_VERSION, Tables, build_tables, current_version, migrate
-from .errors import ConfigurationError, StoreMisconfigured, StoreUnavailable
+from .errors import (
+    ConfigurationError,
+    RunNotFound,
+    RunStateError,
+    StoreMisconfigured,
+    StoreUnavailable,
+)
 
 logger = logging.getLogger("celery_duraflow.store")
 
@@ -745,8 +752,6 @@ class Store:
         leased by a process with that pid on this machine, so a later attempt
         elsewhere is never overruled. False if nothing matched.
         """
-        from ._lease import machine_id
-
         runs = self.tables.runs
         held = runs.c.lease_owner.is_not(None)
         if pid is not None:
@@ -954,8 +959,6 @@ class Store:
         whose steps were undone by compensations unless ``from_step`` is given
         (their recorded outputs describe effects that no longer exist).
         """
-        from .errors import RunNotFound, RunStateError
-
         runs, steps = self.tables.runs, self.tables.steps
         now = _now()
         self.ensure_schema(task_id)

@@ -20,9 +20,11 @@ from ._canvas import install_canvas_fixes
 from ._compensation import unwind
 from ._config import Config, config_for_app
 from ._context import RunContext, Suspended, Unwind, current_run, describe
+from ._fingerprint import code_fingerprint
 from ._lease import keeper, new_owner, owner_is_gone
 from ._limits import check_task_id
-from ._rewrite import code_fingerprint, prepare, refuse_async
+from ._rewrite import prepare, refuse_async
+from ._send import wake_parent
 from ._serialization import (
     Serializer,
     decode,
@@ -43,7 +45,6 @@ from ._store import (
     Store,
     store_for,
 )
-from ._waits import wake_parent
 from .errors import (
     LeaseLost,
     RunArgumentsMismatch,
@@ -130,7 +131,7 @@ class DurableTask(Task):  # type: ignore[misc]
             # first attempt of some worker thread (the result is cached per code object).
             code_fingerprint(cls.run)
         install_signal_handlers()
-        install_canvas_fixes()
+        install_canvas_fixes(DurableTask)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request

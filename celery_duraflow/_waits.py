@@ -24,10 +24,11 @@ from typing import Any
 
 from celery import shared_task
 
-from ._config import Config, app_and_config, config_for_app
+from ._config import Config, app_and_config
 from ._context import RunContext, Suspended, current_run, describe
 from ._limits import check_signal_name, check_task_id, moment
 from ._limits import seconds as checked_seconds
+from ._send import send_run
 from ._serialization import decode, encode_arguments, get_serializer
 from ._step import check_name
 from ._store import (
@@ -41,6 +42,7 @@ from ._store import (
     StepRecord,
     store_for,
 )
+from ._task import DurableTask
 from .errors import (
     ChildFailed,
     ChildTimeout,
@@ -317,13 +319,10 @@ def _task_name(signature: Any, wait: _Wait) -> str:
             f"durable task, such as my_task.s(arg); got {describe(signature)}")
     app = wait.ctx.task.app if wait.ctx.task is not None else None
     registered = app.tasks.get(name) if app is not None else None
-    if registered is not None:
-        from ._task import DurableTask
-
-        if not isinstance(registered, DurableTask):
-            raise TypeError(
-                f"child {wait.key!r} of task {wait.ctx.task_id} would run {name}, which is not "
-                "a DurableTask: its end could not wake the parent. Give it base=DurableTask.")
+    if registered is not None and not isinstance(registered, DurableTask):
+        raise TypeError(
+            f"child {wait.key!r} of task {wait.ctx.task_id} would run {name}, which is not "
+            "a DurableTask: its end could not wake the parent. Give it base=DurableTask.")
     return name
 
 
@@ -428,8 +427,6 @@ def send_signal(task_id: str, name: str, payload: Any = None, *, app: Any = None
     # waking the run.
     woken = store.wake(task_id, kind="signal", waiting_for=name, grace=config.lease_seconds)
     if woken is not None:
-        from ._recovery import send_run
-
         send_run(app, woken)
         logger.info("signal %r woke task %s", name, task_id)
     return stored
@@ -442,20 +439,3 @@ def send_signal_task(self: Any, task_id: str, name: str, payload: Any = None) ->
         app.send_task("celery_duraflow.send_signal", args=(task_id, "approval", {"ok": True}))
     """
     return send_signal(task_id, name, payload, app=self.app)
-
-
-def wake_parent(app: Any, run: RunRecord) -> None:
-    """A child run ended: send its parent again if it waits for it."""
-    if run.parent_id is None:
-        return
-    config = config_for_app(app)
-    store = store_for(config)
-    woken = store.wake(run.parent_id, kind="child", waiting_for=run.task_id,
-                       grace=config.lease_seconds)
-    if woken is not None:
-        from ._recovery import send_run
-
-        send_run(app, woken)
-        logger.info("child %s (%s) woke its parent %s", run.task_id,
-                    "succeeded" if run.status == SUCCEEDED else run.status, run.parent_id)
-

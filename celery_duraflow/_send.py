@@ -1,0 +1,62 @@
+"""Sending a recorded run again: to wake it, to recover it, to wake its parent.
+
+The recovery sweep, a signal, a child's end, ``retry_run`` and ``cancel`` all publish
+a run's task once more with what the store recorded: its task id, arguments, retry
+count and routing. Nothing here decides whether a run should be sent; callers claim
+the run in the store first.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ._config import Config, config_for_app
+from ._serialization import decode
+from ._store import SUCCEEDED, RunRecord, store_for
+
+logger = logging.getLogger("celery_duraflow.recovery")
+
+
+def _route(run: RunRecord) -> dict[str, Any]:
+    if run.exchange and run.routing_key:
+        return {"exchange": run.exchange, "routing_key": run.routing_key}
+    if run.routing_key:
+        # The default exchange routes by queue name.
+        return {"queue": run.routing_key}
+    return {}
+
+
+def recorded_arguments(run: RunRecord, config: Config) -> tuple[list[Any], dict[str, Any]]:
+    """The run's recorded positional and keyword arguments; ValueError if it has none."""
+    if run.args is None:
+        raise ValueError(f"task {run.task_id} ({run.task_name}) has no recorded arguments")
+    payload = decode(run.args, config.serializer, config.serializer,
+                     task_id=run.task_id, step_key=None)
+    args = payload.get("args", []) if isinstance(payload, dict) else None
+    kwargs = payload.get("kwargs", {}) if isinstance(payload, dict) else None
+    if not isinstance(args, list | tuple) or not isinstance(kwargs, dict):
+        raise ValueError(f"the recorded arguments of task {run.task_id} ({run.task_name}) are "
+                         f"not a list of arguments and a dict of keyword arguments")
+    return list(args), dict(kwargs)
+
+
+def send_run(app: Any, run: RunRecord) -> None:
+    """Publish a run's task again, with its task id, arguments, retry count and routing."""
+    args, kwargs = recorded_arguments(run, config_for_app(app))
+    app.send_task(run.task_name, args=args, kwargs=kwargs, task_id=run.task_id,
+                  retries=run.retries, **_route(run))
+
+
+def wake_parent(app: Any, run: RunRecord) -> None:
+    """A child run ended: send its parent again if it waits for it."""
+    if run.parent_id is None:
+        return
+    config = config_for_app(app)
+    store = store_for(config)
+    woken = store.wake(run.parent_id, kind="child", waiting_for=run.task_id,
+                       grace=config.lease_seconds)
+    if woken is not None:
+        send_run(app, woken)
+        logger.info("child %s (%s) woke its parent %s", run.task_id,
+                    "succeeded" if run.status == SUCCEEDED else run.status, run.parent_id)
