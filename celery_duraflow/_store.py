@@ -11,7 +11,6 @@ trip and one commit; there is no BEGIN/COMMIT pair around them.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import os
@@ -19,9 +18,8 @@ import select as select_module
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from typing import Any, TypeVar
+from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import (
     Engine,
@@ -54,6 +52,40 @@ from sqlalchemy.exc import (
 
 from ._config import Config
 from ._lease import machine_id
+from ._records import (
+    BODY_BREAK,
+    BODY_CONTINUE,
+    BODY_FATAL,
+    BODY_RETURN,
+    CANCELLED,
+    COMPENSATED,
+    FAILED,
+    FINISHED,
+    IGNORED,
+    NOT_RERUN,
+    REJECTED,
+    REPLACED,
+    RUN_STATUSES,
+    RUNNING,
+    SLEEPING,
+    STEP_COMPLETED,
+    STEP_FAILED,
+    STEP_RUNNING,
+    STEP_WAITING,
+    SUCCEEDED,
+    WAITING,
+    BodyExit,
+    Delivery,
+    RunRecord,
+    RunStatus,
+    SignalRecord,
+    StepRecord,
+    StepStatus,
+    WaitKind,
+    as_utc,
+    from_columns,
+    utc_now,
+)
 from ._schema import LATEST_VERSION, Tables, build_tables, current_version, migrate
 from .errors import (
     ConfigurationError,
@@ -65,41 +97,43 @@ from .errors import (
 
 logger = logging.getLogger("celery_duraflow.store")
 
-# Run statuses.
-RUNNING = "running"
-SLEEPING = "sleeping"
-WAITING = "waiting"
-SUCCEEDED = "succeeded"
-FAILED = "failed"
-COMPENSATED = "compensated"
-CANCELLED = "cancelled"
-# A run in one of these has ended for good; nothing runs it again by itself.
-# Ended the way Celery ends a task without a result: the task raised Ignore, raised
-# Reject(requeue=False), or was replaced by another signature (Task.replace).
-IGNORED = "ignored"
-REJECTED = "rejected"
-REPLACED = "replaced"
-FINISHED = (SUCCEEDED, FAILED, COMPENSATED, CANCELLED, IGNORED, REJECTED, REPLACED)
-RUN_STATUSES = ("running", "sleeping", "waiting", "succeeded", "failed", "compensated",
-                "cancelled", "ignored", "rejected", "replaced")
-# A delivery of a run in one of these never runs it again: a succeeded run answers with its
-# result, a replaced run's work belongs to its replacement.
-NOT_RERUN = (SUCCEEDED, REPLACED)
+# The store's API, and the record types and vocabulary it speaks (from _records).
+__all__ = [
+    "BODY_BREAK",
+    "BODY_CONTINUE",
+    "BODY_FATAL",
+    "BODY_RETURN",
+    "CANCELLED",
+    "COMPENSATED",
+    "FAILED",
+    "FINISHED",
+    "IGNORED",
+    "NOT_RERUN",
+    "REJECTED",
+    "REPLACED",
+    "RUNNING",
+    "RUN_STATUSES",
+    "SLEEPING",
+    "STEP_COMPLETED",
+    "STEP_FAILED",
+    "STEP_RUNNING",
+    "STEP_WAITING",
+    "SUCCEEDED",
+    "WAITING",
+    "BodyExit",
+    "Delivery",
+    "RunRecord",
+    "RunStatus",
+    "SignalRecord",
+    "StepRecord",
+    "StepStatus",
+    "Store",
+    "WaitKind",
+    "all_stores",
+    "close_all_stores",
+    "store_for",
+]
 
-# Step statuses.
-STEP_RUNNING = "running"
-STEP_COMPLETED = "completed"
-STEP_FAILED = "failed"
-# A wait (sleep, signal, child) that was reached and has not ended; its output holds
-# what it waits for and until when.
-STEP_WAITING = "waiting"
-
-# How a step's `with` body was left (the steps' body_exit column). NULL: it ran to its end.
-BODY_RETURN = "return"
-BODY_BREAK = "break"
-BODY_CONTINUE = "continue"
-# On a failed step: the failure is final, no later attempt may run the body by itself.
-BODY_FATAL = "fatal"
 
 _UNAVAILABLE: tuple[type[Exception], ...] = (
     OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)
@@ -109,124 +143,6 @@ try:  # the hot path runs some statements on the psycopg connection itself
     _UNAVAILABLE += (psycopg.OperationalError, psycopg.InterfaceError)
 except ImportError:  # pragma: no cover - psycopg is a dependency
     pass
-
-
-def _utc(value: datetime | None) -> datetime | None:
-    # SQLite hands timestamps back without a zone; they were written in UTC.
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value
-
-
-@dataclass(frozen=True)
-class RunRecord:
-    """One row of the runs table."""
-
-    task_id: str
-    task_name: str
-    status: str
-    attempts: int
-    result: str | None
-    serializer: str | None
-    error: str | None
-    created_at: datetime
-    updated_at: datetime
-    finished_at: datetime | None
-    lease_owner: str | None = None
-    lease_expires_at: datetime | None = None
-    args: str | None = None
-    args_fingerprint: str | None = None
-    exchange: str | None = None
-    routing_key: str | None = None
-    retries: int = 0
-    recoveries: int = 0
-    interrupted: bool = False
-    wait_kind: str | None = None
-    waiting_for: str | None = None
-    wake_at: datetime | None = None
-    parent_id: str | None = None
-    code_fingerprint: str | None = None
-    unwinding: str | None = None
-    #: When prune deleted the run's history, leaving this row as its tombstone.
-    pruned_at: datetime | None = None
-    #: Set on the row of a Celery task id that was replaced (Task.replace): the run key
-    #: of its first durable replacement, ``<task id>~r<nesting>``.
-    replaced_by: str | None = None
-
-    @classmethod
-    def from_row(cls, row: Any) -> RunRecord:
-        return _from_columns(cls, row._mapping)
-
-
-@dataclass(frozen=True)
-class Delivery:
-    """What an attempt knows about the message that started it."""
-
-    task_name: str
-    owner: str
-    args: str | None = None
-    args_fingerprint: str | None = None
-    exchange: str | None = None
-    routing_key: str | None = None
-    retries: int = 0
-    code_fingerprint: str | None = None
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One row of the steps table."""
-
-    task_id: str
-    key: str
-    status: str
-    attempts: int
-    output: str | None
-    serializer: str | None
-    error: str | None
-    started_at: datetime
-    completed_at: datetime | None
-    position: int | None = None
-    input_fingerprint: str | None = None
-    code_fingerprint: str | None = None
-    body_exit: str | None = None
-    returned: str | None = None
-
-    @classmethod
-    def from_row(cls, row: Any) -> StepRecord:
-        return cls.from_mapping(row._mapping)
-
-    @classmethod
-    def from_mapping(cls, m: Any, prefix: str = "") -> StepRecord:
-        return _from_columns(cls, m, prefix, {"key": "step_key"})
-
-
-@dataclass(frozen=True)
-class SignalRecord:
-    """One row of the signals table."""
-
-    task_id: str
-    name: str
-    payload: str | None
-    serializer: str | None
-    sent_at: datetime
-
-
-_R = TypeVar("_R", RunRecord, StepRecord, SignalRecord)
-
-
-def _from_columns(cls: type[_R], m: Any, prefix: str = "",
-                  columns: dict[str, str] | None = None) -> _R:
-    """A record from a row: each field from its column, timestamps made UTC-aware."""
-    names = columns or {}
-    values: dict[str, Any] = {}
-    for name in (field.name for field in dataclasses.fields(cls)):
-        value = m[prefix + names.get(name, name)]
-        values[name] = _utc(value) if isinstance(value, datetime) else value
-    return cls(**values)
-
-
-def _now() -> datetime:
-    return datetime.now(UTC)
 
 
 def _sqlite_engine_events(engine: Engine) -> None:
@@ -572,7 +488,7 @@ class Store:
         are ``None``.
         """
         runs = self.tables.runs
-        now = _now()
+        now = utc_now()
         expires = now + timedelta(seconds=self.config.lease_seconds)
         fingerprint_ok = (
             true() if delivery.args_fingerprint is None
@@ -662,7 +578,7 @@ class Store:
     def take_over(self, task_id: str, dead_owner: str, delivery: Delivery) -> RunRecord | None:
         """Take the lease from an owner known to be dead; None if it changed meanwhile."""
         runs = self.tables.runs
-        now = _now()
+        now = utc_now()
         expires = now + timedelta(seconds=self.config.lease_seconds)
         stmt = (
             update(runs)
@@ -679,7 +595,7 @@ class Store:
                    serializer: str | None = None, error: str | None = None) -> bool:
         """Record the end of a run and drop its lease; False if this owner lost the lease."""
         runs = self.tables.runs
-        now = _now()
+        now = utc_now()
         stmt = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.lease_owner == owner,
@@ -704,7 +620,7 @@ class Store:
         stmt = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
-            .values(args=args, args_fingerprint=fingerprint, updated_at=_now())
+            .values(args=args, args_fingerprint=fingerprint, updated_at=utc_now())
         )
         # With other arguments the next attempt is not a replay of the steps recorded so
         # far: they keep their outputs (a step the code reaches again under its key is
@@ -737,7 +653,7 @@ class Store:
         stmt = (
             update(runs)
             .where(runs.c.task_id == celery_id, runs.c.replaced_by.is_(None), mine)
-            .values(replaced_by=replaced_by, updated_at=_now())
+            .values(replaced_by=replaced_by, updated_at=utc_now())
         )
         with self._write("recording that the task was replaced", run_key) as conn:
             conn.execute(stmt)
@@ -756,7 +672,7 @@ class Store:
         held = runs.c.lease_owner.is_not(None)
         if pid is not None:
             held = runs.c.lease_owner.like(f"%|{machine_id()}|{int(pid)}|%")
-        now = _now()
+        now = utc_now()
         stmt = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.status == RUNNING, held,
@@ -774,7 +690,7 @@ class Store:
             update(steps)
             .where(steps.c.task_id == task_id, steps.c.status == STEP_WAITING,
                    exists().where(runs.c.task_id == task_id, runs.c.lease_owner == owner))
-            .values(status=STEP_FAILED, error=why, completed_at=_now())
+            .values(status=STEP_FAILED, error=why, completed_at=utc_now())
         )
         with self._write("closing the run's waits", task_id) as conn:
             return int(conn.execute(stmt).rowcount or 0)
@@ -791,7 +707,7 @@ class Store:
         stmt = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
-            .values(unwinding=reason, error=error, updated_at=_now())
+            .values(unwinding=reason, error=error, updated_at=utc_now())
         )
         with self._write("recording that the run is being unwound", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
@@ -805,7 +721,7 @@ class Store:
         returned unchanged.
         """
         runs = self.tables.runs
-        now = _now()
+        now = utc_now()
         ask = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.status.not_in(FINISHED))
@@ -842,7 +758,7 @@ class Store:
         retry's countdown plus a lease, say); with None it never does.
         """
         runs = self.tables.runs
-        now = _now()
+        now = utc_now()
         expires = None if recover_after is None else now + timedelta(seconds=recover_after)
         stmt = (
             update(runs)
@@ -859,7 +775,7 @@ class Store:
         if not leases:
             return {}
         runs = self.tables.runs
-        expires = _now() + timedelta(seconds=self.config.lease_seconds)
+        expires = utc_now() + timedelta(seconds=self.config.lease_seconds)
         stmt = (
             update(runs)
             .where(or_(*[and_(runs.c.task_id == task_id, runs.c.lease_owner == owner)
@@ -882,7 +798,7 @@ class Store:
         runs = self.tables.runs
         signals = self.tables.signals
         child = runs.alias("child")
-        now = _now()
+        now = utc_now()
         stmt = (
             select(runs)
             .where(runs.c.pruned_at.is_(None), or_(
@@ -905,7 +821,7 @@ class Store:
         """Claim the right to send a run found by the sweep; False if another sweeper (or a
         delivery, or a signal) got to it first."""
         runs = self.tables.runs
-        now = _now()
+        now = utc_now()
         unchanged = (runs.c.lease_expires_at.is_(None) if run.lease_expires_at is None
                      else runs.c.lease_expires_at == run.lease_expires_at)
         lost = run.status == RUNNING
@@ -932,7 +848,7 @@ class Store:
         False if it changed.
         """
         runs = self.tables.runs
-        now = _now()
+        now = utc_now()
         same_lease = (runs.c.lease_expires_at.is_(None) if run.lease_expires_at is None
                       else runs.c.lease_expires_at == run.lease_expires_at)
         same_owner = (runs.c.lease_owner.is_(None) if run.lease_owner is None
@@ -960,7 +876,7 @@ class Store:
         (their recorded outputs describe effects that no longer exist).
         """
         runs, steps = self.tables.runs, self.tables.steps
-        now = _now()
+        now = utc_now()
         self.ensure_schema(task_id)
         with self._unavailable("resetting the run for a retry", task_id), \
                 self._transactional().begin() as conn:
@@ -1011,8 +927,8 @@ class Store:
                         select(steps.c.step_key, steps.c.started_at)
                         .where(steps.c.task_id == task_id, steps.c.step_key.in_(undone_keys))
                         .order_by(steps.c.started_at).limit(1)).first()
-                    chosen_at, first_at = _utc(chosen._mapping["started_at"]), (
-                        _utc(first[1]) if first is not None else None)
+                    chosen_at, first_at = as_utc(chosen._mapping["started_at"]), (
+                        as_utc(first[1]) if first is not None else None)
                     if first is not None and chosen_at and first_at and chosen_at > first_at:
                         raise RunStateError(
                             f"run {task_id} was compensated: step {first[0]!r} was undone, "
@@ -1061,7 +977,7 @@ class Store:
         runs = self.tables.runs
         signals = self.tables.signals
         child = runs.alias("child")
-        now = _now()
+        now = utc_now()
         condition = [runs.c.task_id == task_id, runs.c.lease_owner == owner]
         if kind == "signal":
             condition.append(~exists().where(signals.c.task_id == task_id,
@@ -1087,7 +1003,7 @@ class Store:
         the sweep sends it again.
         """
         runs = self.tables.runs
-        now = _now()
+        now = utc_now()
         stmt = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.status == WAITING,
@@ -1108,7 +1024,7 @@ class Store:
         stmt = (
             self._insert(signals)
             .values(task_id=task_id, name=name, payload=payload, serializer=serializer,
-                    sent_at=_now())
+                    sent_at=utc_now())
             .on_conflict_do_nothing(index_elements=[signals.c.task_id, signals.c.name])
             .returning(signals.c.task_id)
         )
@@ -1120,7 +1036,7 @@ class Store:
         stmt = select(signals).where(signals.c.task_id == task_id, signals.c.name == name)
         with self._read("reading a signal", task_id, name) as conn:
             row = conn.execute(stmt).first()
-        return _from_columns(SignalRecord, row._mapping) if row is not None else None
+        return from_columns(SignalRecord, row._mapping) if row is not None else None
 
     def create_child_run(self, child_id: str, *, task_name: str, parent_id: str,
                          args: str | None, exchange: str | None,
@@ -1132,7 +1048,7 @@ class Store:
         broker lost it), the sweep sends the child from what is stored here.
         """
         runs = self.tables.runs
-        now = _now()
+        now = utc_now()
         stmt = (
             self._insert(runs)
             .values(task_id=child_id, task_name=task_name, status=RUNNING, attempts=0,
@@ -1169,7 +1085,7 @@ class Store:
                                  func.count(steps.c.task_id.distinct())).where(matches)
         with self._read("reading a patch marker") as conn:
             first, count = conn.execute(first_and_count).one()
-            first = _utc(first)
+            first = as_utc(first)
             conditions = [runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
                           ~exists().where(steps.c.task_id == runs.c.task_id, matches)]
             if first is not None:
@@ -1326,7 +1242,7 @@ class Store:
                                   "p_position": position}
         if prior is None:
             stmt = statements["claim_new"]
-            params.update(p_status=STEP_RUNNING, p_started_at=_now())
+            params.update(p_status=STEP_RUNNING, p_started_at=utc_now())
         else:
             stmt = statements["claim_again"]
             params.update(p_prior_status=prior.status,
@@ -1358,7 +1274,7 @@ class Store:
         params = {"p_task_id": task_id, "p_owner": owner, "p_step_key": step_key,
                   "p_status": status, "p_output": output, "p_serializer": serializer,
                   "p_error": error, "p_started_at": started_at,
-                  "p_completed_at": _now() if completed else None, "p_position": position,
+                  "p_completed_at": utc_now() if completed else None, "p_position": position,
                   "p_input_fingerprint": input_fingerprint,
                   "p_code_fingerprint": code_fingerprint,
                   "p_body_exit": body_exit, "p_returned": returned,
