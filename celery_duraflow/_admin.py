@@ -1,11 +1,15 @@
-"""The queries behind the operator commands: list runs, count them, prune old ones.
+"""The queries behind the operator commands and the web view: list runs, count them,
+prune old ones.
 
 Every function takes a :class:`~celery_duraflow._store.Store` and uses
-SQLAlchemy Core on its tables. The listings are written so that the indexes of
-schema versions 8 and 10 answer them on a table of millions of runs:
+SQLAlchemy Core on its tables, through the store's ``reading`` and
+``transaction`` connections; the CLI and the web view write no SQL of their own.
+The listings are written so that the indexes of schema versions 8 and 10 answer
+them on a table of millions of runs:
 
 * newest first with no status: ``(created_at)``, or ``(task_name, created_at)``
-  with a task name;
+  with a task name (runs created in the same instant in task id order, so that
+  a page of the web view can start after the last run of the previous one);
 * newest first with statuses: one branch per status on ``(status, created_at)``,
   each stopping after ``limit`` rows, merged by a ``UNION ALL`` (an ``IN`` list
   would make PostgreSQL read every run of those statuses and sort them);
@@ -32,9 +36,11 @@ from typing import Any
 from sqlalchemy import (
     ColumnElement,
     Select,
+    and_,
     delete,
     exists,
     func,
+    null,
     or_,
     select,
     union_all,
@@ -112,44 +118,65 @@ def _filters(store: Store, *, task_name: str | None, older_than: timedelta | Non
     return conditions
 
 
+#: The columns a brief listing does not read: a run's stored arguments and result, which
+#: may be large and which no list of runs shows.
+_NOT_LISTED = ("args", "result")
+
+
 def listing_query(store: Store, *, statuses: Sequence[str] = (), task_name: str | None = None,
                   older_than: timedelta | None = None, newer_than: timedelta | None = None,
-                  limit: int = 50, now: datetime | None = None) -> Select[Any]:
-    """The newest ``limit`` runs (by ``created_at``) that match, as one SELECT.
+                  before: tuple[datetime, str] | None = None, limit: int = 50,
+                  now: datetime | None = None, brief: bool = False) -> Select[Any]:
+    """The newest ``limit`` runs that match, as one SELECT without OFFSET.
 
-    ``older_than`` and ``newer_than`` compare the run's creation time with
-    ``now`` (default: the current time) minus the duration.
+    Newest first by ``created_at``, and runs created in the same instant in
+    descending task id order. ``older_than`` and ``newer_than`` compare the
+    run's creation time with ``now`` (default: the current time) minus the
+    duration. ``before``, the ``(created_at, task_id)`` of the last run of a
+    page, keeps only the runs after it in that order (the next page): written
+    ``created_at <= t AND (created_at < t OR task_id < id)`` so that its first
+    half bounds the index scan on every database. ``brief`` reads NULL instead
+    of each run's stored arguments and result.
     """
     runs = store.tables.runs
+    columns = [null().label(column.name) if brief and column.name in _NOT_LISTED else column
+               for column in runs.c]
     conditions = _filters(store, task_name=task_name, older_than=older_than,
                           newer_than=newer_than, now=now or _now())
+    if before is not None:
+        created_at, task_id = before
+        conditions.append(and_(runs.c.created_at <= created_at,
+                               or_(runs.c.created_at < created_at, runs.c.task_id < task_id)))
     chosen = check_statuses(statuses)
+    newest_first = (runs.c.created_at.desc(), runs.c.task_id.desc())
     if len(chosen) <= 1:
         if chosen:
             conditions.append(runs.c.status == chosen[0])
-        return (select(runs).where(*conditions).order_by(runs.c.created_at.desc())
-                .limit(limit))
+        return select(*columns).where(*conditions).order_by(*newest_first).limit(limit)
     branches = [
-        select(runs).where(runs.c.status == status, *conditions)
-        .order_by(runs.c.created_at.desc()).limit(limit).subquery()
+        select(*columns).where(runs.c.status == status, *conditions)
+        .order_by(*newest_first).limit(limit).subquery()
         for status in chosen
     ]
     merged = union_all(*(select(branch) for branch in branches)).subquery("matching")
-    return select(merged).order_by(merged.c.created_at.desc()).limit(limit)
+    return (select(merged).order_by(merged.c.created_at.desc(), merged.c.task_id.desc())
+            .limit(limit))
 
 
 def list_runs(store: Store, *, statuses: Sequence[str] = (), task_name: str | None = None,
               older_than: timedelta | None = None, newer_than: timedelta | None = None,
-              limit: int = 50) -> list[RunRecord]:
+              before: tuple[datetime, str] | None = None, limit: int = 50,
+              brief: bool = False) -> list[RunRecord]:
     """The newest ``limit`` runs that match the filters, newest first (one query).
 
     An empty ``statuses`` means every status; ``older_than`` / ``newer_than``
-    keep runs created more / less than that long ago.
+    keep runs created more / less than that long ago; ``before`` and ``brief``
+    are :func:`listing_query`'s (a brief record's ``args`` and ``result`` are None).
     """
     query = listing_query(store, statuses=statuses, task_name=task_name,
-                          older_than=older_than, newer_than=newer_than, limit=limit)
-    store.ensure_schema()
-    with store._unavailable("listing runs"), store.engine.connect() as conn:
+                          older_than=older_than, newer_than=newer_than, before=before,
+                          limit=limit, brief=brief)
+    with store.reading("listing runs") as conn:
         return [RunRecord.from_row(row) for row in conn.execute(query)]
 
 
@@ -167,7 +194,7 @@ def summary_query(store: Store, **filters: Any) -> Select[Any]:
                  .where(steps.c.task_id == page.c.task_id, steps.c.status == STEP_COMPLETED)
                  .scalar_subquery())
     return (select(page, completed.label("steps_completed"), total.label("steps_total"))
-            .order_by(page.c.created_at.desc()))
+            .order_by(page.c.created_at.desc(), page.c.task_id.desc()))
 
 
 def summarize_runs(store: Store, *, statuses: Sequence[str] = (), task_name: str | None = None,
@@ -176,8 +203,7 @@ def summarize_runs(store: Store, *, statuses: Sequence[str] = (), task_name: str
     """Like :func:`list_runs`, with the step counts of each run, in the same single query."""
     query = summary_query(store, statuses=statuses, task_name=task_name,
                           older_than=older_than, newer_than=newer_than, limit=limit)
-    store.ensure_schema()
-    with store._unavailable("listing runs"), store.engine.connect() as conn:
+    with store.reading("listing runs") as conn:
         return [RunSummary(run=RunRecord.from_row(row),
                            steps_completed=int(row._mapping["steps_completed"] or 0),
                            steps_total=int(row._mapping["steps_total"] or 0))
@@ -200,11 +226,11 @@ def count_by_status(store: Store, *, statuses: Sequence[str] = (), task_name: st
         conditions.append(runs.c.status.in_(chosen))
     query = (select(runs.c.status, func.count()).where(*conditions)
              .group_by(runs.c.status))
-    store.ensure_schema()
-    with store._unavailable("counting runs"), store.engine.connect() as conn:
+    with store.reading("counting runs") as conn:
         counts = {str(status): int(count) for status, count in conn.execute(query)}
     # In the order of the run statuses, not the database's.
-    ordered = {status: counts.pop(status) for status in RUN_STATUSES if status in counts}
+    ordered: dict[str, int] = {status: counts.pop(status) for status in RUN_STATUSES
+                               if status in counts}
     ordered.update(counts)
     return ordered
 
@@ -282,13 +308,11 @@ def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUN
     now = _now()
     cutoff = now - older_than
     runs_pruned = steps_deleted = 0
-    store.ensure_schema()
-    engine = store._transactional()
     for status in chosen:
         candidates = prune_candidates_query(store, status=status, cutoff=cutoff,
                                             batch_size=batch_size)
         while True:
-            with store._unavailable("pruning runs"), engine.begin() as conn:
+            with store.transaction("pruning runs") as conn:
                 task_ids = list(conn.execute(candidates).scalars())
                 if task_ids:
                     steps_deleted += conn.execute(
@@ -336,10 +360,8 @@ def delete_tombstones(store: Store, *, older_than: timedelta = TOMBSTONE_RETENTI
     runs, steps, signals = tables.runs, tables.steps, tables.signals
     candidates = tombstones_query(store, cutoff=_now() - older_than, batch_size=batch_size)
     deleted = 0
-    store.ensure_schema()
-    engine = store._transactional()
     while True:
-        with store._unavailable("deleting tombstones of pruned runs"), engine.begin() as conn:
+        with store.transaction("deleting tombstones of pruned runs") as conn:
             task_ids = list(conn.execute(candidates).scalars())
             if task_ids:
                 conn.execute(delete(steps).where(steps.c.task_id.in_(task_ids)))
@@ -358,9 +380,7 @@ def count_tombstones(store: Store, *,
     runs = store.tables.runs
     query = (select(func.count()).select_from(runs)
              .where(runs.c.pruned_at.is_not(None), runs.c.pruned_at < _now() - older_than))
-    store.ensure_schema()
-    with store._unavailable("counting tombstones of pruned runs"), \
-            store.engine.connect() as conn:
+    with store.reading("counting tombstones of pruned runs") as conn:
         return int(conn.execute(query).scalar_one())
 
 
@@ -376,8 +396,7 @@ def count_prunable(store: Store, *, older_than: timedelta,
     run_count = select(func.count()).select_from(doomed.subquery())
     step_count = (select(func.count()).select_from(steps)
                   .where(steps.c.task_id.in_(doomed)))
-    store.ensure_schema()
-    with store._unavailable("counting runs to prune"), store.engine.connect() as conn:
+    with store.reading("counting runs to prune") as conn:
         doomed_runs = conn.execute(run_count).scalar_one()
         doomed_steps = conn.execute(step_count).scalar_one()
     return int(doomed_runs), int(doomed_steps)

@@ -1,12 +1,106 @@
-"""Showing recorded values and durations to people (the CLI and the web view)."""
+"""Showing runs, recorded values, times and durations to people.
+
+The one set of display helpers of the CLI (``celery -A proj duraflow ...``) and
+the web view, so that both say the same thing the same way. Times are UTC.
+"""
 
 from __future__ import annotations
 
 import base64
+import json
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, Protocol
 from uuid import UUID
+
+from ._store import FINISHED, SLEEPING, WAITING
+
+#: How both surfaces write a moment (always UTC).
+TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+class ShownRun(Protocol):
+    """What the notes about a run read of it: a ``RunRecord`` or a ``RunView``."""
+
+    @property
+    def status(self) -> str: ...
+    @property
+    def wait_kind(self) -> str | None: ...
+    @property
+    def waiting_for(self) -> str | None: ...
+    @property
+    def wake_at(self) -> datetime | None: ...
+    @property
+    def unwinding(self) -> str | None: ...
+
+
+class ShownStep(Protocol):
+    """What :func:`step_duration` reads of a step: a ``StepView`` or a ``StepRecord``."""
+
+    @property
+    def started_at(self) -> datetime: ...
+    @property
+    def completed_at(self) -> datetime | None: ...
+
+
+def when(moment: datetime | None) -> str:
+    """A moment as ``2024-05-01 12:00:00`` (UTC, without saying so); ``-`` for none."""
+    return moment.strftime(TIME_FORMAT) if moment is not None else "-"
+
+
+def waits_for(kind: str | None, waiting_for: str | None, wake_at: datetime | None, *,
+              say_no_timeout: bool = True) -> str:
+    """What a sleeping or waiting run waits for, in a few words; ``""`` when it does not.
+
+    ``signal 'approval' until 2024-05-01 12:00:00 UTC``, ``child <task id> (no
+    timeout)``. ``say_no_timeout=False`` leaves out ``(no timeout)``, for a
+    narrow column.
+    """
+    if kind is None:
+        return ""
+    what = f"{kind} {waiting_for!r}" if kind in ("sleep", "signal") else f"{kind} {waiting_for}"
+    if wake_at is not None:
+        return f"{what} until {when(wake_at)} UTC"
+    return f"{what} (no timeout)" if say_no_timeout and kind != "sleep" else what
+
+
+def unwinding_note(run: ShownRun) -> str:
+    """``cancel requested`` or ``compensating after a failure`` while a run is unwound."""
+    if run.status in FINISHED or not run.unwinding:
+        return ""
+    return "cancel requested" if run.unwinding == "cancel" else "compensating after a failure"
+
+
+def run_note(run: ShownRun, *, say_no_timeout: bool = True) -> str:
+    """The "waits for" column of a list of runs: what it waits for, and whether it is
+    being unwound (``signal 'approval' (no timeout); cancel requested``)."""
+    notes = [unwinding_note(run)]
+    if run.status in (SLEEPING, WAITING):
+        notes.insert(0, waits_for(run.wait_kind, run.waiting_for, run.wake_at,
+                                  say_no_timeout=say_no_timeout))
+    return "; ".join(note for note in notes if note)
+
+
+def step_duration(step: ShownStep) -> timedelta | None:
+    """How long a step took; None while no end is recorded."""
+    if step.completed_at is None:
+        return None
+    return step.completed_at - step.started_at
+
+
+def clip(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters, ending with ``...`` when it was longer."""
+    if len(text) <= width:
+        return text
+    return text[:max(width - 3, 0)] + "..." if width > 3 else text[:width]
+
+
+def json_text(value: Any, indent: int | None = None) -> str:
+    """A recorded value as JSON (see :func:`json_default`); its ``repr`` if it contains itself."""
+    try:
+        return json.dumps(value, indent=indent, ensure_ascii=False, default=json_default)
+    except ValueError:  # a value that contains itself
+        return repr(value)
 
 
 def span(elapsed: timedelta | None) -> str:

@@ -437,6 +437,32 @@ class Store:
                 with self.engine.connect() as conn:
                     yield conn
 
+    # -- for queries written outside the store (the operator commands in _admin) ---------
+
+    @contextmanager
+    def reading(self, action: str) -> Iterator[Connection]:
+        """A connection for the reads of one query, once the schema is ready.
+
+        The driver's connection errors become StoreUnavailable (or
+        StoreMisconfigured) saying what failed while ``action`` (``"listing
+        runs"``), as they do for the store's own reads.
+        """
+        with self._read(action) as conn:
+            yield conn
+
+    @contextmanager
+    def transaction(self, action: str) -> Iterator[Connection]:
+        """A connection in one transaction, committed when the block ends, rolled back if
+        it raises; connection errors are mapped as by :meth:`reading`.
+
+        It is a real transaction on PostgreSQL too (whose other writes
+        autocommit), so that rows selected ``FOR UPDATE`` stay locked until the
+        end of the block.
+        """
+        self.ensure_schema()
+        with self._unavailable(action), self._transactional().begin() as conn:
+            yield conn
+
     def _permanent(self, exc: BaseException) -> str | None:
         """What to fix, when a connection error is one that waiting cannot cure."""
         original = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc

@@ -76,9 +76,9 @@ class RunView:
         raise KeyError(f"run {self.task_id} has no step {key!r}")
 
 
-def _step_view(record: StepRecord, config: Config) -> StepView:
+def _step_view(record: StepRecord, config: Config | None) -> StepView:
     result = None
-    if record.status in (STEP_COMPLETED, STEP_WAITING):
+    if config is not None and record.status in (STEP_COMPLETED, STEP_WAITING):
         result = decode(record.output, record.serializer, config.serializer,
                         accept=config.accept_serializers, task_id=record.task_id,
                         step_key=record.key, placeholder=True)
@@ -89,10 +89,18 @@ def _step_view(record: StepRecord, config: Config) -> StepView:
                     code_fingerprint=record.code_fingerprint)
 
 
-def _run_view(run: RunRecord, steps: list[StepRecord], config: Config) -> RunView:
-    result = decode(run.result, run.serializer, config.serializer,
-                    accept=config.accept_serializers, task_id=run.task_id, step_key=None,
-                    what="result", placeholder=True)
+def _run_view(run: RunRecord, steps: list[StepRecord], config: Config | None) -> RunView:
+    """The view of a run's row and its step rows, its values decoded as ``config`` says.
+
+    With ``config`` None nothing is decoded (the run's and the steps' ``result``
+    are None): for a reader that decodes them one at a time because one of them
+    cannot be decoded (``ConfigurationError``).
+    """
+    result = None
+    if config is not None:
+        result = decode(run.result, run.serializer, config.serializer,
+                        accept=config.accept_serializers, task_id=run.task_id, step_key=None,
+                        what="result", placeholder=True)
     return RunView(task_id=run.task_id, task_name=run.task_name, status=run.status,
                    attempts=run.attempts, result=result, error=run.error,
                    created_at=run.created_at, updated_at=run.updated_at,

@@ -25,7 +25,17 @@ from kombu.exceptions import OperationalError as BrokerError
 
 from . import _admin
 from ._config import config_for_app
-from ._format import json_default, span
+from ._format import (
+    clip,
+    json_default,
+    json_text,
+    run_note,
+    span,
+    step_duration,
+    unwinding_note,
+    waits_for,
+    when,
+)
 from ._operations import cancel as cancel_run
 from ._operations import retry_run
 from ._patched import MARKER_PREFIX
@@ -33,13 +43,10 @@ from ._recovery import recover_forever, sweep
 from ._schema import LATEST_VERSION
 from ._serialization import Unreadable
 from ._store import (
-    FINISHED,
     RUN_STATUSES,
-    SLEEPING,
     STEP_COMPLETED,
     STEP_FAILED,
     STEP_WAITING,
-    WAITING,
     RunRecord,
     Store,
     store_for,
@@ -163,21 +170,19 @@ def patch(ctx: click.Context, name: str, task_name: str | None, limit: int) -> N
     if first is None:
         ctx.obj.echo(f"patch {name!r}: no run has recorded it yet")
     else:
-        ctx.obj.echo(f"patch {name!r}: recorded by {count} run(s), first at "
-                     f"{first:%Y-%m-%d %H:%M:%S} UTC")
+        ctx.obj.echo(f"patch {name!r}: recorded by {count} run(s), first at {when(first)} UTC")
     if not old:
         ctx.obj.echo("no unfinished run started before it without it: the old branch can go")
         return
     ctx.obj.echo(f"{len(old)} unfinished run(s) may still take the old branch:")
     for run in old:
         ctx.obj.echo(f"  {run.task_id}  {run.task_name}  {run.status}  "
-                     f"started {run.created_at:%Y-%m-%d %H:%M:%S} UTC")
+                     f"started {when(run.created_at)} UTC")
     sys.exit(3)
 
 
 # -- shared helpers of the commands below --------------------------------------------------
 
-TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 OUTPUT_WIDTH = 60
 
 
@@ -223,10 +228,6 @@ def _store(ctx: click.Context) -> Store:
     return store_for(config_for_app(ctx.obj.app))
 
 
-def _when(moment: datetime | None) -> str:
-    return moment.strftime(TIME_FORMAT) if moment is not None else "-"
-
-
 def _age(moment: datetime, now: datetime) -> str:
     """How long ago, in the largest whole unit: ``12s ago``, ``5m ago``, ``3d ago``."""
     seconds = int((now - moment).total_seconds())
@@ -255,10 +256,7 @@ def _print_json(ctx: click.Context, data: Any) -> None:
 
 def _clip(text: str, width: int) -> str:
     """``text`` on one line, cut to ``width`` characters with ``...`` when longer."""
-    line = " ".join(text.split())
-    if len(line) <= width:
-        return line
-    return line[:max(width - 3, 0)] + "..." if width > 3 else line[:width]
+    return clip(" ".join(text.split()), width)
 
 
 def _terminal_width() -> int | None:
@@ -304,27 +302,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *,
         cells = [_clip(row[i], widths[i]).ljust(widths[i]) for i in keep]
         lines.append("  ".join(cells).rstrip())
     return lines
-
-
-def _waits_for(kind: str | None, waiting_for: str | None, wake_at: datetime | None, *,
-               say_no_timeout: bool = False) -> str:
-    """What a sleeping or waiting run waits for, in a few words."""
-    if kind is None:
-        return ""
-    what = f"{kind} {waiting_for!r}" if kind in ("sleep", "signal") else f"{kind} {waiting_for}"
-    if wake_at is not None:
-        return f"{what} until {_when(wake_at)}"
-    return f"{what} (no timeout)" if say_no_timeout and kind != "sleep" else what
-
-
-def _run_note(run: RunRecord) -> str:
-    if run.status in (SLEEPING, WAITING):
-        return _waits_for(run.wait_kind, run.waiting_for, run.wake_at)
-    if run.status not in FINISHED and run.unwinding == "cancel":
-        return "cancel requested"
-    if run.status not in FINISHED and run.unwinding == "failure":
-        return "compensating after a failure"
-    return ""
 
 
 def _run_json(run: RunRecord, **extra: Any) -> dict[str, Any]:
@@ -386,8 +363,9 @@ def runs(ctx: click.Context, statuses: list[str], task_name: str | None,
         return
     now = datetime.now(UTC)
     rows = [[s.run.task_id, s.run.task_name, s.run.status, str(s.run.attempts),
-             f"{s.steps_completed}/{s.steps_total}", _when(s.run.created_at),
-             _age(s.run.updated_at, now), _run_note(s.run)] for s in found]
+             f"{s.steps_completed}/{s.steps_total}", when(s.run.created_at),
+             _age(s.run.updated_at, now), run_note(s.run, say_no_timeout=False)]
+            for s in found]
     headers = ["TASK ID", "TASK", "STATUS", "TRIES", "STEPS", "CREATED (UTC)", "UPDATED",
                "WAITS FOR"]
     for line in _table(headers, rows, shrink=(7, 1), drop=(6, 3, 4, 5)):
@@ -417,51 +395,36 @@ def _value_line(value: Any) -> str:
         # Its row names a serializer that is not accepted: the placeholder, whole (the
         # name in it is cut short already; the table cuts it to fit the terminal).
         return str(value)
-    try:
-        text = json.dumps(value, default=json_default, ensure_ascii=False)
-    except ValueError:  # a value that contains itself
-        text = repr(value)
-    return _clip(text, OUTPUT_WIDTH)
-
-
-def _step_span(view: StepView) -> str:
-    if view.completed_at is None:
-        return "-"
-    return span(view.completed_at - view.started_at)
+    return _clip(json_text(value), OUTPUT_WIDTH)
 
 
 def _show_json(run: RunView, record: RunRecord | None) -> dict[str, Any]:
     data = dataclasses.asdict(run)
     data["steps"] = [
         {**dataclasses.asdict(view),
-         "duration_seconds": (None if view.completed_at is None
-                              else (view.completed_at - view.started_at).total_seconds())}
+         "duration_seconds": (None if (took := step_duration(view)) is None
+                              else took.total_seconds())}
         for view in run.steps
     ]
     if record is not None:
-        data.update(retries=record.retries, recoveries=record.recoveries,
-                    unwinding=record.unwinding, lease_owner=record.lease_owner,
-                    lease_expires_at=record.lease_expires_at,
-                    interrupted=record.interrupted)
+        # Whether the latest attempt's worker was lost: on the row, not in the view.
+        data["interrupted"] = record.interrupted
     return data
 
 
-def _show_header(run: RunView, record: RunRecord | None) -> list[tuple[str, str]]:
+def _show_header(run: RunView) -> list[tuple[str, str]]:
     status = run.status
-    waits = _waits_for(run.wait_kind, run.waiting_for, run.wake_at, say_no_timeout=True)
+    waits = waits_for(run.wait_kind, run.waiting_for, run.wake_at)
     if waits:
         status += f": waits for {waits}"
-    if record is not None and run.status not in FINISHED and record.unwinding:
-        status += (", cancel requested" if record.unwinding == "cancel"
-                   else ", compensating after a failure")
-    attempts = str(run.attempts)
-    if record is not None:
-        attempts += f" (retries {record.retries}, recoveries {record.recoveries})"
+    if unwinding := unwinding_note(run):
+        status += f", {unwinding}"
+    attempts = f"{run.attempts} (retries {run.retries}, recoveries {run.recoveries})"
     lines = [("task id", run.task_id), ("task", run.task_name), ("status", status),
-             ("attempts", attempts), ("created", _when(run.created_at)),
-             ("updated", _when(run.updated_at)), ("finished", _when(run.finished_at))]
-    if record is not None and record.lease_owner:
-        lines.append(("lease", f"{record.lease_owner} until {_when(record.lease_expires_at)}"))
+             ("attempts", attempts), ("created", when(run.created_at)),
+             ("updated", when(run.updated_at)), ("finished", when(run.finished_at))]
+    if run.lease_owner:
+        lines.append(("lease", f"{run.lease_owner} until {when(run.lease_expires_at)}"))
     if run.status == "succeeded":
         lines.append(("result", _value_line(run.result)))
     lines += [("error", _clip(run.error, 200) if run.error else "-"),
@@ -496,7 +459,7 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if as_json:
         _print_json(ctx, _show_json(run, record))
         return
-    header = _show_header(run, record)
+    header = _show_header(run)
     label_width = max(len(label) for label, _ in header)
     for label, value in header:
         ctx.obj.echo(f"{label.ljust(label_width)}  {value}")
@@ -505,8 +468,9 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
         ctx.obj.echo("no steps recorded")
         return
     ctx.obj.echo(f"{len(run.steps)} step(s), in the order they first started (times UTC):")
-    rows = [[view.key, view.status, str(view.attempts), _step_span(view), _when(view.started_at),
-             _when(view.completed_at), _step_output(view)] for view in run.steps]
+    rows = [[view.key, view.status, str(view.attempts), span(step_duration(view)),
+             when(view.started_at), when(view.completed_at), _step_output(view)]
+            for view in run.steps]
     headers = ["KEY", "STATUS", "TRIES", "DURATION", "STARTED", "COMPLETED", "OUTPUT"]
     for line in _table(headers, rows, shrink=(6, 0), drop=(5, 2, 4)):
         ctx.obj.echo(line)

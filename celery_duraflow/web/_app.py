@@ -6,7 +6,6 @@ import json
 import logging
 import re
 from collections.abc import Iterable
-from datetime import datetime
 from importlib import resources
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -23,17 +22,15 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .._format import span
+from .._format import clip, run_note, span, unwinding_note, waits_for, when
 from .._operations import cancel, retry_run
 from .._store import (
     CANCELLED,
     COMPENSATED,
     FAILED,
-    FINISHED,
     IGNORED,
     REJECTED,
     RUN_STATUSES,
-    SLEEPING,
     WAITING,
 )
 from .._waits import send_signal
@@ -59,7 +56,6 @@ from ._security import (
 
 logger = logging.getLogger("celery_duraflow.web")
 
-TIME_FORMAT = "%Y-%m-%d %H:%M:%S"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 #: What a URL prefix may be: one or more path segments of unreserved characters.
 _PREFIX = re.compile(r"(?:/[A-Za-z0-9._~-]+)+")
@@ -73,42 +69,13 @@ READ_ONLY_REFUSAL = ("This view is read-only: it was started without a token, so
                      "allow actions.")
 
 
-# -- formatting helpers used by the templates ------------------------------------------------
-
-
-def when(moment: datetime | None) -> str:
-    return moment.strftime(TIME_FORMAT) if moment is not None else "-"
-
-
-def waits_for(kind: str | None, waiting_for: str | None, wake_at: datetime | None) -> str:
-    """What a sleeping or waiting run waits for, in a few words."""
-    if kind is None:
-        return ""
-    what = {"sleep": f"sleep {waiting_for!r}", "signal": f"signal {waiting_for!r}"}.get(
-        kind, f"{kind} {waiting_for}")
-    if wake_at is not None:
-        return f"{what} until {when(wake_at)} UTC"
-    return what if kind == "sleep" else f"{what} (no timeout)"
-
-
-def run_note(status: str, kind: str | None, waiting_for: str | None, wake_at: datetime | None,
-             unwinding: str | None) -> str:
-    """The "waits for" column of the runs page."""
-    note = waits_for(kind, waiting_for, wake_at) if status in (SLEEPING, WAITING) else ""
-    if status not in FINISHED and unwinding:
-        extra = "cancel requested" if unwinding == "cancel" else "compensating after a failure"
-        note = f"{note}; {extra}" if note else extra
-    return note
-
-
 def _field(form: FormData, name: str) -> str:
     value = form.get(name)
     return value if isinstance(value, str) else ""
 
 
 def _compact(payload: Any, limit: int = 200) -> str:
-    text = json.dumps(payload, ensure_ascii=False)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return clip(json.dumps(payload, ensure_ascii=False), limit)
 
 
 class _Handlers:
@@ -121,8 +88,10 @@ class _Handlers:
         self.env = Environment(loader=PackageLoader("celery_duraflow.web", "templates"),
                                autoescape=True, undefined=StrictUndefined,
                                trim_blocks=True, lstrip_blocks=True)
+        # The display helpers the CLI uses too (celery_duraflow._format).
         self.env.globals.update(when=when, span=span, waits_for=waits_for, run_note=run_note,
-                                statuses=RUN_STATUSES, retryable=RETRYABLE)
+                                unwinding_note=unwinding_note, statuses=RUN_STATUSES,
+                                retryable=RETRYABLE)
         self.css = (resources.files("celery_duraflow.web") / "static" / "duraflow.css"
                     ).read_bytes()
 

@@ -1,22 +1,20 @@
 """What the pages show, read from the store: a page of runs, and one run in full.
 
-These functions block (they run SQL); the handlers call them in a thread.
+These functions block (they read the store); the handlers call them in a
+thread. The queries are the store's and :mod:`celery_duraflow._admin`'s (the
+CLI's listing), and a run is shown through its ``RunView``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Select, and_, or_, select
-
 from .. import _admin
 from .._compensation import COMPENSATION_PREFIX
 from .._config import config_for_app
-from .._format import json_default
+from .._format import json_text, step_duration
 from .._serialization import Unreadable, decode
 from .._store import (
     FINISHED,
@@ -24,11 +22,10 @@ from .._store import (
     STEP_RUNNING,
     STEP_WAITING,
     RunRecord,
-    StepRecord,
     Store,
     store_for,
 )
-from .._view import RunView, StepView, get_run
+from .._view import RunView, StepView, _run_view
 from ..errors import ConfigurationError
 
 #: Runs per page, unless the address asks for another number (at most MAX_PAGE_SIZE).
@@ -76,75 +73,41 @@ class Cursor:
 
 
 @dataclass(frozen=True)
-class RunRow:
-    """The columns of a run the list shows (never its arguments or result)."""
-
-    task_id: str
-    task_name: str
-    status: str
-    attempts: int
-    created_at: datetime
-    updated_at: datetime
-    finished_at: datetime | None
-    wait_kind: str | None
-    waiting_for: str | None
-    wake_at: datetime | None
-    unwinding: str | None
-
-
-@dataclass(frozen=True)
 class RunsPage:
-    rows: list[RunRow]
+    #: The runs' rows, read without their arguments and results.
+    rows: list[RunRecord]
     #: Where the next page starts; None on the last page.
     next_cursor: Cursor | None
     #: Runs per status, for the task name filter alone (statuses with none left out).
     counts: dict[str, int]
 
 
-_ROW_COLUMNS = tuple(f.name for f in dataclasses.fields(RunRow))
-
-
 def page_query(store: Store, *, status: str | None, task_name: str | None,
-               cursor: Cursor | None, limit: int) -> Select[Any]:
-    """Up to ``limit`` runs, newest first, after ``cursor``: one indexed range scan.
+               cursor: Cursor | None, limit: int) -> Any:
+    """The SELECT of a page: the CLI's listing (:func:`_admin.listing_query`).
 
-    With a status it reads the ``(status, created_at)`` index, with a task
-    name the ``(task_name, created_at)`` one, otherwise ``(created_at)``;
-    runs created in the same instant are put in task id order. The cursor
-    is written as ``created_at <= t AND (created_at < t OR task_id < id)`` so
-    that the first half is a plain index bound on every database.
+    Up to ``limit`` runs, newest first, after ``cursor``: one indexed range
+    scan (``(status, created_at)`` with a status, ``(task_name, created_at)``
+    with a task name, otherwise ``(created_at)``), with no OFFSET.
     """
-    runs = store.tables.runs
-    conditions = []
-    if status is not None:
-        conditions.append(runs.c.status == status)
-    if task_name is not None:
-        conditions.append(runs.c.task_name == task_name)
-    if cursor is not None:
-        conditions.append(and_(runs.c.created_at <= cursor.created_at,
-                               or_(runs.c.created_at < cursor.created_at,
-                                   runs.c.task_id < cursor.task_id)))
-    return (select(*(runs.c[name] for name in _ROW_COLUMNS)).where(*conditions)
-            .order_by(runs.c.created_at.desc(), runs.c.task_id.desc()).limit(limit))
+    return _admin.listing_query(store, statuses=_statuses(status), task_name=task_name,
+                                before=_before(cursor), limit=limit, brief=True)
 
 
-def _aware(value: Any) -> Any:
-    # SQLite gives timestamps back without a zone; they were written in UTC.
-    if isinstance(value, datetime) and value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value
+def _statuses(status: str | None) -> list[str]:
+    return [status] if status is not None else []
+
+
+def _before(cursor: Cursor | None) -> tuple[datetime, str] | None:
+    return (cursor.created_at, cursor.task_id) if cursor is not None else None
 
 
 def load_runs_page(store: Store, *, status: str | None, task_name: str | None,
                    cursor: Cursor | None, limit: int) -> RunsPage:
     """One page of runs (one query, asking for one row more to learn whether a page
     follows) and the counts per status (one ``GROUP BY``)."""
-    query = page_query(store, status=status, task_name=task_name, cursor=cursor,
-                       limit=limit + 1)
-    store.ensure_schema()
-    with store._unavailable("listing runs"), store.engine.connect() as conn:
-        rows = [RunRow(**{name: _aware(row._mapping[name]) for name in _ROW_COLUMNS})
-                for row in conn.execute(query)]
+    rows = _admin.list_runs(store, statuses=_statuses(status), task_name=task_name,
+                            before=_before(cursor), limit=limit + 1, brief=True)
     counts = _admin.count_by_status(store, task_name=task_name)
     next_cursor = None
     if len(rows) > limit:
@@ -171,13 +134,6 @@ class Shown:
     long: bool = False
 
 
-def _dump(value: Any, indent: int | None) -> str:
-    try:
-        return json.dumps(value, indent=indent, ensure_ascii=False, default=json_default)
-    except ValueError:  # a value that contains itself
-        return repr(value)
-
-
 def show(value: Any) -> Shown:
     """A value as JSON (``repr`` for what JSON cannot write), indented and on one line.
 
@@ -186,8 +142,8 @@ def show(value: Any) -> Shown:
     """
     if isinstance(value, Unreadable):
         return Shown(problem=str(value))
-    text = _dump(value, 2)
-    line = _dump(value, None)
+    text = json_text(value, 2)
+    line = json_text(value)
     cut = max(0, len(text) - MAX_SHOWN)
     long = cut > 0 or len(line) > PREVIEW
     return Shown(text=text[:MAX_SHOWN], preview=line[:PREVIEW - 3] + "..." if long else line,
@@ -215,9 +171,7 @@ class StepItem:
 
     @property
     def duration(self) -> timedelta | None:
-        if self.view.completed_at is None:
-            return None
-        return self.view.completed_at - self.view.started_at
+        return step_duration(self.view)
 
     @property
     def compensation(self) -> bool:
@@ -232,8 +186,7 @@ class StepItem:
 @dataclass(frozen=True)
 class RunPage:
     view: RunView
-    #: The run's row, for its arguments and unwinding state (None if it just vanished).
-    record: RunRecord | None
+    #: The run's recorded arguments (the view has none).
     args: Shown
     result: Shown | None
     steps: list[StepItem]
@@ -257,39 +210,11 @@ def _step_output(view: StepView) -> Shown | None:
 
 
 def _unreadable(view: RunView) -> str | None:
-    """Why the first value get_run left undecoded is unreadable, if it left any."""
+    """Why the first value the view left undecoded is unreadable, if it left any."""
     for value in (view.result, *(s.result for s in view.steps)):
         if isinstance(value, Unreadable):
             return value.reason
     return None
-
-
-def _fallback_view(record: RunRecord, steps: list[StepRecord], configured: str,
-                   accept: tuple[str, ...],
-                   ) -> tuple[RunView, Shown | None, dict[str, Shown | None]]:
-    """The run without decoding anything, and each value decoded on its own."""
-    outputs: dict[str, Shown | None] = {}
-    views = []
-    for s in steps:
-        outputs[s.key] = (_decoded(s.output, s.serializer, configured, accept=accept,
-                                   task_id=s.task_id, step_key=s.key)
-                          if s.status in (STEP_COMPLETED, STEP_WAITING) else None)
-        views.append(StepView(key=s.key, status=s.status, attempts=s.attempts,
-                              started_at=s.started_at, completed_at=s.completed_at, result=None,
-                              error=s.error, position=s.position,
-                              input_fingerprint=s.input_fingerprint,
-                              code_fingerprint=s.code_fingerprint))
-    result = (_decoded(record.result, record.serializer, configured, accept=accept,
-                       task_id=record.task_id, step_key=None, what="result")
-              if record.result is not None else None)
-    view = RunView(task_id=record.task_id, task_name=record.task_name, status=record.status,
-                   attempts=record.attempts, result=None, error=record.error,
-                   created_at=record.created_at, updated_at=record.updated_at,
-                   finished_at=record.finished_at, steps=tuple(views),
-                   wait_kind=record.wait_kind, waiting_for=record.waiting_for,
-                   wake_at=record.wake_at, parent_id=record.parent_id,
-                   code_fingerprint=record.code_fingerprint)
-    return view, result, outputs
 
 
 def load_run_page(celery_app: Any, task_id: str) -> RunPage | None:
@@ -299,18 +224,24 @@ def load_run_page(celery_app: Any, task_id: str) -> RunPage | None:
     record = store.get_run(task_id)
     if record is None:
         return None
+    stored_steps = list(store.load_steps(task_id).values())
     problem = None
     try:
-        view = get_run(task_id, app=celery_app)
+        view = _run_view(record, stored_steps, config)
     except ConfigurationError as exc:
-        # A value its (accepted) serializer cannot read: show the rest, and say which.
+        # A value its (accepted) serializer cannot read: show the rest, each value
+        # decoded on its own, and say which.
         problem = str(exc)
-        view, result, outputs = _fallback_view(
-            record, list(store.load_steps(task_id).values()), config.serializer,
-            config.accept_serializers)
+        view = _run_view(record, stored_steps, None)
+        configured, accept = config.serializer, config.accept_serializers
+        result = (_decoded(record.result, record.serializer, configured, accept=accept,
+                           task_id=task_id, step_key=None, what="result")
+                  if record.result is not None else None)
+        outputs = {s.key: (_decoded(s.output, s.serializer, configured, accept=accept,
+                                    task_id=task_id, step_key=s.key)
+                           if s.status in (STEP_COMPLETED, STEP_WAITING) else None)
+                   for s in stored_steps}
     else:
-        if view is None:  # deleted between the two reads
-            return None
         # Values whose rows name a serializer that is not accepted were left undecoded.
         problem = _unreadable(view)
         result = show(view.result) if view.result is not None else None
@@ -322,5 +253,5 @@ def load_run_page(celery_app: Any, task_id: str) -> RunPage | None:
              for s in view.steps]
     errors = [("run", view.error)] if view.error else []
     errors += [(f"step {s.key}", s.error) for s in view.steps if s.error]
-    return RunPage(view=view, record=record, args=args, result=result, steps=steps,
+    return RunPage(view=view, args=args, result=result, steps=steps,
                    problem=problem, errors=errors)
