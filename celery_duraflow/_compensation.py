@@ -89,7 +89,6 @@ def unwind(ctx: RunContext, run: RunRecord, reason: str, error: str | None) -> s
 
 def _compensate(ctx: RunContext, key: str, undo: Any, value: Any) -> str | None:
     """Undo one step unless that is recorded already; None, or what went wrong."""
-    store = ctx.store
     record_key = COMPENSATION_PREFIX + key
     record = ctx.recorded.get(record_key)
     if record is not None and record.status == STEP_COMPLETED:
@@ -101,10 +100,8 @@ def _compensate(ctx: RunContext, key: str, undo: Any, value: Any) -> str | None:
         try:
             outcome = undo(value)
         except Exception as exc:
-            if not store.record_step(ctx.task_id, record_key, ctx.owner, status=STEP_FAILED,
-                                     started_at=started, error=_error_text(exc), new=new):
-                raise LeaseLost(f"task {ctx.task_id} lost its lease while compensating",
-                                task_id=ctx.task_id, step_key=record_key) from exc
+            ctx.record(record_key, f"the undo of step {key!r}", status=STEP_FAILED,
+                       started_at=started, error=_error_text(exc), new=new)
             new = False
             logger.warning("undoing step %r of task %s failed (try %d of %d): %s", key,
                            ctx.task_id, attempt, UNDO_ATTEMPTS, _error_text(exc))
@@ -116,11 +113,8 @@ def _compensate(ctx: RunContext, key: str, undo: Any, value: Any) -> str | None:
             data = ctx.serializer.dumps(outcome)
         except Exception:
             data = ctx.serializer.dumps(None)
-        if not store.record_step(ctx.task_id, record_key, ctx.owner, status=STEP_COMPLETED,
-                                 started_at=started, output=data,
-                                 serializer=ctx.serializer_name, new=new):
-            raise LeaseLost(f"task {ctx.task_id} lost its lease while compensating",
-                            task_id=ctx.task_id, step_key=record_key)
+        ctx.record(record_key, f"the undo of step {key!r}", status=STEP_COMPLETED,
+                   started_at=started, output=data, serializer=ctx.serializer_name, new=new)
         logger.info("step %r of task %s undone", key, ctx.task_id)
         return None
     return None  # pragma: no cover - the loop always returns

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._lease import keeper
 from ._limits import check_key
-from .errors import DuraflowError, NonDeterministicReplay
+from .errors import DuraflowError, LeaseLost, NonDeterministicReplay
 
 logger = logging.getLogger("celery_duraflow.replay")
 
@@ -125,17 +125,15 @@ class RunContext:
         self.fatal = error
         raise error
 
-    def next_key(self, name: str) -> tuple[str, int]:
-        """The key of the next occurrence of ``name`` in the current parent step, and its
-        position among that parent's steps (1 for the first).
+    def peek_key(self, name: str) -> tuple[str, str, int]:
+        """The key the next occurrence of ``name`` in the current parent step would get:
+        (parent key, key, occurrence count). Nothing is taken until :meth:`take_key`.
 
-        Both count within the parent, never across the run: when a parent step is
+        Keys count within the parent, never across the run: when a parent step is
         answered from the store its body and its children are not reached, and the
-        steps after it must keep their keys and positions all the same.
-
-        A key longer than the store can hold is refused here, before the step's body
-        runs or anything is written, and ends the run for good: a retry would reach
-        the same key.
+        steps after it must keep their keys all the same. A key longer than the store
+        can hold is refused here, before anything runs or is written, and ends the run
+        for good: a retry would reach the same key.
         """
         parent = self.stack[-1].key if self.stack else ""
         count = self.occurrences.get((parent, name), 0) + 1
@@ -146,9 +144,34 @@ class RunContext:
         except DuraflowError as error:
             self.fatal = error
             raise
+        return parent, key, count
+
+    def take_key(self, parent: str, name: str, count: int) -> None:
+        """Count the occurrence of ``name`` that :meth:`peek_key` looked at as reached."""
         self.occurrences[(parent, name)] = count
+
+    def next_key(self, name: str) -> tuple[str, int]:
+        """The key of the next occurrence of ``name`` in the current parent step, and its
+        position among that parent's steps (1 for the first); see :meth:`peek_key`."""
+        parent, key, count = self.peek_key(name)
+        self.take_key(parent, name, count)
         position = self.reached[parent] = self.reached.get(parent, 0) + 1
         return key, position
+
+    def record(self, key: str, what: str, **fields: Any) -> None:
+        """Write the record of ``key`` (a step, a wait, a patch marker, an undo) under this
+        attempt's lease.
+
+        The one way anything of a run is recorded while it runs: ``fields`` go to
+        :meth:`Store.record_step`. If the write did not apply, another attempt took
+        the run over, and LeaseLost (naming ``what``) stops this one.
+        """
+        if not self.store.record_step(self.task_id, key, self.owner, **fields):
+            raise LeaseLost(
+                f"task {self.task_id} lost its lease at {what}: another attempt took the run "
+                "over, so this one stops here without recording anything. Nothing needs to be "
+                "done.", task_id=self.task_id, step_key=key)
+        self.recorded_any = True
 
 
 class Suspended(BaseException):

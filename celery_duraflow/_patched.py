@@ -24,10 +24,9 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from ._context import current_run
-from ._limits import check_key
 from ._step import check_name
 from ._store import STEP_COMPLETED
-from .errors import DuraflowError, LeaseLost, NotInDurableTask
+from .errors import NotInDurableTask
 
 # Markers are stored as completed steps under this prefix.
 MARKER_PREFIX = "patched:"
@@ -50,31 +49,16 @@ def patched(name: str) -> bool:
             f"patched({name!r}) was reached outside a durable task run, so there is no run "
             "to decide for. Call it from a task with base=DurableTask.",
             step_key=name)
-    parent = ctx.stack[-1].key if ctx.stack else ""
     marker = MARKER_PREFIX + name
-    count = ctx.occurrences.get((parent, marker), 0) + 1
-    key = marker if count == 1 else f"{marker}#{count}"
-    key = f"{parent}/{key}" if parent else key
-    try:
-        check_key(ctx.task_id, key)
-    except DuraflowError as error:
-        ctx.fatal = error  # the same code reaches the same key on every retry
-        raise
+    parent, key, count = ctx.peek_key(marker)
     record = ctx.recorded.get(key)
     if record is None and ctx.recorded_at(parent, ctx.reached.get(parent, 0) + 1) is not None:
         # The old code recorded a step at the place this marker is reached: it went past
         # here without the marker.
         return False
-    ctx.occurrences[(parent, marker)] = count
+    ctx.take_key(parent, marker, count)
     if record is None:
-        now = datetime.now(UTC)
-        if not ctx.store.record_step(
-                ctx.task_id, key, ctx.owner, status=STEP_COMPLETED, started_at=now,
-                output=ctx.serializer.dumps(True), serializer=ctx.serializer_name, new=True,
-                position=None):
-            raise LeaseLost(
-                f"task {ctx.task_id} lost its lease at patched({name!r}): another attempt "
-                "took the run over. Nothing needs to be done.",
-                task_id=ctx.task_id, step_key=key)
-        ctx.recorded_any = True
+        ctx.record(key, f"patched({name!r})", status=STEP_COMPLETED,
+                   started_at=datetime.now(UTC), output=ctx.serializer.dumps(True),
+                   serializer=ctx.serializer_name, new=True, position=None)
     return True

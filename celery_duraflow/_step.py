@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NoReturn, ParamSpec, TypeVar
 
 from ._context import RunContext, Suspended, Unwind, current_run, describe
 from ._fingerprint import code_fingerprint
@@ -439,14 +439,15 @@ class StepContext:
                 body_exit: str | None = None, returned: str | None = None) -> None:
         ctx = self._ctx
         stored = output is not None or returned is not None
-        if not ctx.store.record_step(
-                ctx.task_id, self.key, ctx.owner, status=status, started_at=self._started_at,
-                output=output, serializer=ctx.serializer_name if stored else None,
-                error=error, claimed=self._claimed, new=self._new, position=self.position,
-                input_fingerprint=self._input_fp, code_fingerprint=self._code_fp,
-                body_exit=body_exit, returned=returned):
-            self._lost_record()
-        ctx.recorded_any = True
+        try:
+            ctx.record(self.key, f"step {self.key!r}", status=status,
+                       started_at=self._started_at, output=output,
+                       serializer=ctx.serializer_name if stored else None, error=error,
+                       claimed=self._claimed, new=self._new, position=self.position,
+                       input_fingerprint=self._input_fp, code_fingerprint=self._code_fp,
+                       body_exit=body_exit, returned=returned)
+        except LeaseLost:
+            self._lost_record()  # says why: the lease, or a conflict on the step's row
 
     def _unstorable(self, value: Any, what: str, error: Exception) -> StepOutputNotSerializable:
         """The error for a value of this step that the serializer refuses; it is fatal.
@@ -521,7 +522,7 @@ class StepContext:
         ctx.fatal = error
         return error
 
-    def _lost_record(self) -> None:
+    def _lost_record(self) -> NoReturn:
         """The end of the step could not be written: say why."""
         ctx = self._ctx
         run = ctx.store.get_run(ctx.task_id)

@@ -126,13 +126,10 @@ class _Wait:
                 task_id=ctx.task_id,
                 step_key=self.key,
             ) from error
-        if not ctx.store.record_step(
-                ctx.task_id, self.key, ctx.owner, status=status, started_at=self.now,
-                output=data, serializer=ctx.serializer_name, new=self.record is None,
-                # A wait that ends is not run again: its attempt count stays.
-                claimed=self.record is not None, position=self.position):
-            raise self.lease_lost()
-        ctx.recorded_any = True
+        ctx.record(self.key, f"{self.kind} {self.key!r}", status=status, started_at=self.now,
+                   output=data, serializer=ctx.serializer_name, new=self.record is None,
+                   # A wait that ends is not run again: its attempt count stays.
+                   claimed=self.record is not None, position=self.position)
         self.record = StepRecord(
             task_id=ctx.task_id, key=self.key, status=status, attempts=1, output=data,
             serializer=ctx.serializer_name, error=None, started_at=self.now,
