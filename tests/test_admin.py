@@ -104,6 +104,7 @@ def ids_listed(lines: list[str], candidates: list[str]) -> list[str]:
 
 
 def test_durations() -> None:
+    """Durations such as 30s, 15m, 2h, 1w and 1h30m parse; any other text is not a duration."""
     assert parse_duration("30s") == timedelta(seconds=30)
     assert parse_duration("15m") == timedelta(minutes=15)
     assert parse_duration("2h") == timedelta(hours=2)
@@ -154,6 +155,7 @@ def listed(make_app: Callable[..., Celery]) -> Iterator[dict[str, Any]]:
 
 
 def test_runs_lists_newest_first_with_steps_waits_and_counts(listed: dict[str, Any]) -> None:
+    """`runs` lists newest first, with each run's status, steps done and wait, then the counts."""
     app, everyone = listed["app"], listed["all"]
     lines = ok(duraflow(app, "runs"))
     assert lines[0].split()[:3] == ["TASK", "ID", "TASK"]
@@ -168,6 +170,7 @@ def test_runs_lists_newest_first_with_steps_waits_and_counts(listed: dict[str, A
 
 
 def test_runs_filters(listed: dict[str, Any]) -> None:
+    """`runs` filters by status, task and age, and --limit shows the newest of the matches."""
     app, everyone = listed["app"], listed["all"]
 
     def listing(*options: str) -> list[str]:
@@ -202,6 +205,7 @@ def test_runs_filters(listed: dict[str, Any]) -> None:
 
 
 def test_runs_json(listed: dict[str, Any]) -> None:
+    """`runs --json` gives the listing as data, with aware times and never arguments or results."""
     app = listed["app"]
     data = json.loads(ok_text(duraflow(app, "runs", "--json")))
     assert [item["task_id"] for item in data] == [listed["waiting"], listed["failed"],
@@ -239,6 +243,7 @@ def test_runs_table_fits_a_narrow_terminal(listed: dict[str, Any]) -> None:
 
 
 def test_show_prints_the_header_and_the_timeline(make_app: Callable[..., Celery]) -> None:
+    """`show` prints a run's header and every step in order, outputs cut short; --json has all."""
     app = make_app(eager=False)
     undone: Counter[str] = Counter()
 
@@ -298,6 +303,7 @@ def test_show_prints_the_header_and_the_timeline(make_app: Callable[..., Celery]
 
 
 def test_show_a_waiting_run_and_an_unknown_one(listed: dict[str, Any]) -> None:
+    """`show` says what a waiting run waits for; an unknown task id is a one-line error."""
     app = listed["app"]
     lines = ok(duraflow(app, "show", listed["waiting"]))
     assert header_of(lines)["status"] == "waiting: waits for signal 'approval' (no timeout)"
@@ -342,6 +348,7 @@ def test_cancel_a_waiting_run(make_app: Callable[..., Celery]) -> None:
 
 
 def test_cancel_an_ended_run_and_an_unknown_one(listed: dict[str, Any]) -> None:
+    """`cancel` leaves an ended run as it is and says so; an unknown task id is an error."""
     app = listed["app"]
     assert ok(duraflow(app, "cancel", listed["new"])) == [
         f"run {listed['new']} already ended (succeeded); nothing was cancelled"]
@@ -355,6 +362,7 @@ def test_cancel_an_ended_run_and_an_unknown_one(listed: dict[str, Any]) -> None:
 
 
 def test_retry_sends_a_failed_run_again_and_from_a_step(make_app: Callable[..., Celery]) -> None:
+    """`retry` sends a failed run again, skipping its completed steps, or reruns from a step."""
     app = make_app(eager=False)
     calls: Counter[str] = Counter()
     mailer = {"up": False}
@@ -399,6 +407,7 @@ def test_retry_sends_a_failed_run_again_and_from_a_step(make_app: Callable[..., 
 
 
 def test_retry_refuses_a_run_that_has_not_ended(make_app: Callable[..., Celery]) -> None:
+    """`retry` refuses a run that is still running, and leaves it running."""
     app = make_app(eager=False)
     store = store_of(app)
     task_id = str(uuid.uuid4())
@@ -431,6 +440,7 @@ def _make_run(store: Store, status: str, *, steps: int = 1, task_id: str | None 
 
 
 def test_prune_deletes_old_ended_runs_only(make_app: Callable[..., Celery]) -> None:
+    """`prune` deletes old ended runs and their steps; unended runs and awaited children stay."""
     app = make_app(eager=False)
     store = store_of(app)
     old_ok = [_make_run(store, "succeeded", steps=2, signal=True) for _ in range(3)]
@@ -484,6 +494,7 @@ def test_prune_deletes_old_ended_runs_only(make_app: Callable[..., Celery]) -> N
 
 def test_prune_refuses_unfinished_statuses_and_needs_an_age(
         make_app: Callable[..., Celery]) -> None:
+    """`prune` refuses unended statuses, needs --older-than, and never deletes a running run."""
     app = make_app(eager=False)
     store = store_of(app)
     running = _make_run(store, "running")
@@ -504,6 +515,7 @@ def test_prune_refuses_unfinished_statuses_and_needs_an_age(
 
 def test_migrate_applies_every_version_then_says_up_to_date(
         make_app: Callable[..., Celery]) -> None:
+    """Without auto-migrate, commands ask for `migrate`, which applies every version once."""
     app = make_app(eager=False, duraflow_auto_migrate=False)
     # Without the migrations, a command that reads the store says what to do.
     assert "apply the migrations first" in failed(duraflow(app, "runs"))

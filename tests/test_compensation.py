@@ -77,6 +77,7 @@ def _booking_task(app: Celery, undone: list[str], *, fail: BaseException | None 
 
 def test_failed_run_undoes_completed_steps_in_reverse_order(
         make_app: Callable[..., Celery]) -> None:
+    """A run that fails for good undoes its steps newest first; the caller sees the real error."""
     app = make_app()
     undone: list[str] = []
     task = _booking_task(app, undone, fail=NoSeats("the flight is full"))
@@ -94,6 +95,7 @@ def test_failed_run_undoes_completed_steps_in_reverse_order(
 
 def test_compensation_waits_until_the_retries_are_used_up(
         make_app: Callable[..., Celery]) -> None:
+    """Nothing is undone while retries remain; each undo runs once, after the last retry failed."""
     app = make_app()
     undone: list[str] = []
     task = _booking_task(app, undone, fail=ConnectionError("issuer down"),
@@ -108,6 +110,7 @@ def test_compensation_waits_until_the_retries_are_used_up(
 
 def test_an_undo_that_keeps_failing_fails_the_run_after_the_others(
         make_app: Callable[..., Celery]) -> None:
+    """An undo that keeps failing fails the run, but only after every other undo has run."""
     app = make_app()
     undone: list[str] = []
     task = _booking_task(app, undone, fail=NoSeats("full"), undo_fails=99)
@@ -122,6 +125,7 @@ def test_an_undo_that_keeps_failing_fails_the_run_after_the_others(
 
 
 def test_an_undo_that_fails_once_is_tried_again(make_app: Callable[..., Celery]) -> None:
+    """An undo that fails once is tried again, and the run still ends compensated."""
     app = make_app()
     undone: list[str] = []
     result = _booking_task(app, undone, fail=NoSeats("full"), undo_fails=1).apply()
@@ -133,6 +137,7 @@ def test_an_undo_that_fails_once_is_tried_again(make_app: Callable[..., Celery])
 
 def test_a_crash_while_compensating_resumes_and_never_undoes_twice(
         make_app: Callable[..., Celery]) -> None:
+    """A crash while undoing resumes on the next delivery, and no undo already done is repeated."""
     app = make_app()
     undone: list[str] = []
     crash_once = [True]
@@ -160,6 +165,7 @@ def test_a_crash_while_compensating_resumes_and_never_undoes_twice(
 
 
 def test_cancel_a_waiting_run(make_app: Callable[..., Celery]) -> None:
+    """Cancelling a waiting run undoes its steps, runs none of the rest, and closes the wait."""
     app = make_app(eager=False)
     undone: list[str] = []
 
@@ -187,6 +193,7 @@ def test_cancel_a_waiting_run(make_app: Callable[..., Celery]) -> None:
 
 
 def test_cancel_a_sleeping_run_at_once(make_app: Callable[..., Celery]) -> None:
+    """A sleeping run is cancelled at once, not when its sleep ends, and its steps are undone."""
     app = make_app(eager=False)
     undone: list[str] = []
 
@@ -206,6 +213,7 @@ def test_cancel_a_sleeping_run_at_once(make_app: Callable[..., Celery]) -> None:
 
 
 def test_cancel_a_running_run_stops_it_at_the_next_step(make_app: Callable[..., Celery]) -> None:
+    """A cancelled running run finishes the step in progress, starts no other, and is undone."""
     app = make_app(eager=False, duraflow_lease_seconds=1)
     undone: list[str] = []
     ran: list[str] = []
@@ -242,6 +250,7 @@ def test_cancel_a_running_run_stops_it_at_the_next_step(make_app: Callable[..., 
 
 
 def test_cancel_an_unknown_run(make_app: Callable[..., Celery]) -> None:
+    """Cancelling a task id that has no run raises RunNotFound naming that id."""
     app = make_app()
     missing = str(uuid.uuid4())
     with pytest.raises(RunNotFound, match=missing):
@@ -249,6 +258,7 @@ def test_cancel_an_unknown_run(make_app: Callable[..., Celery]) -> None:
 
 
 def test_cancelled_run_without_compensations(make_app: Callable[..., Celery]) -> None:
+    """A cancelled run with nothing to undo ends `cancelled`, with the error 'cancelled'."""
     app = make_app(eager=False)
 
     @app.task(base=DurableTask)
@@ -265,6 +275,7 @@ def test_cancelled_run_without_compensations(make_app: Callable[..., Celery]) ->
 
 def test_retry_of_a_compensated_run_must_start_at_an_undone_step(
         make_app: Callable[..., Celery]) -> None:
+    """A compensated run is retried only from its first undone step, with its retry count reset."""
     from celery_duraflow import RunStateError, retry_run
 
     app = make_app(eager=False)  # the retry is sent to the broker; no worker takes it here

@@ -53,6 +53,7 @@ def _duraflow_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_reordered_steps_fail_the_run_with_a_readable_error(
         make_app: Callable[..., Celery]) -> None:
+    """Steps reordered by a deploy fail the run with an error saying where; nothing runs again."""
     calls: Counter[str] = Counter()
 
     def v1() -> None:
@@ -86,6 +87,7 @@ def test_reordered_steps_fail_the_run_with_a_readable_error(
 
 
 def test_inserted_step_is_a_divergence(make_app: Callable[..., Celery]) -> None:
+    """A step inserted before recorded ones is a divergence, reported at its position."""
     def v1() -> None:
         with step("search"):
             pass
@@ -108,6 +110,7 @@ def test_inserted_step_is_a_divergence(make_app: Callable[..., Celery]) -> None:
 
 
 def test_removed_step_is_a_divergence(make_app: Callable[..., Celery]) -> None:
+    """A step removed from between recorded ones is a divergence, reported at its position."""
     def v1() -> None:
         for name in ("search", "pick", "book"):
             with step(name):
@@ -132,6 +135,7 @@ def test_removed_step_is_a_divergence(make_app: Callable[..., Celery]) -> None:
 def test_loop_whose_length_changed_is_a_divergence(
         make_app: Callable[..., Celery], before: int, after: int, position: int,
         recorded: str, reached: str) -> None:
+    """A loop that now runs more or fewer times than recorded is a divergence."""
     def version(pages: int, stop: bool) -> Callable[[], None]:
         def task() -> None:
             for _ in range(pages):
@@ -151,6 +155,7 @@ def test_loop_whose_length_changed_is_a_divergence(
 
 
 def test_divergence_is_not_retried_even_under_autoretry(make_app: Callable[..., Celery]) -> None:
+    """A divergence fails the run at once: autoretry does not run the diverged code again."""
     attempts: Counter[str] = Counter()
 
     def v1() -> None:
@@ -171,6 +176,7 @@ def test_divergence_is_not_retried_even_under_autoretry(make_app: Callable[..., 
 
 def test_warn_policy_logs_and_goes_on(make_app: Callable[..., Celery],
                                       caplog: pytest.LogCaptureFixture) -> None:
+    """With duraflow_on_divergence = 'warn', a divergence is logged once and the run goes on."""
     def v1() -> None:
         with step("a"):
             pass
@@ -192,6 +198,7 @@ def test_warn_policy_logs_and_goes_on(make_app: Callable[..., Celery],
 
 def test_changed_input_is_refused(make_app: Callable[..., Celery],
                                   caplog: pytest.LogCaptureFixture) -> None:
+    """A step replayed with another input is refused; the same input in another key order is not."""
     quotes: list[int] = []
 
     def version(amount: int, stop: bool) -> Callable[[], int]:
@@ -226,6 +233,7 @@ def test_changed_input_is_refused(make_app: Callable[..., Celery],
 
 def test_changed_step_body_warns_by_default_and_can_refuse(
         make_app: Callable[..., Celery], caplog: pytest.LogCaptureFixture) -> None:
+    """A changed step body warns and keeps the stored output; on_code_change = 'fail' refuses it."""
     def v1() -> int:
         with step("price") as s:
             s.result = 100
@@ -255,6 +263,7 @@ def test_changed_step_body_warns_by_default_and_can_refuse(
 
 def test_changed_function_of_a_functional_step_warns(
         make_app: Callable[..., Celery], caplog: pytest.LogCaptureFixture) -> None:
+    """A changed function behind step(...).run() warns, and the stored output stands."""
     def old_rate() -> float:
         return 1.0
 
@@ -279,6 +288,7 @@ def test_changed_function_of_a_functional_step_warns(
 
 def test_unchanged_code_replays_without_any_warning(
         make_app: Callable[..., Celery], caplog: pytest.LogCaptureFixture) -> None:
+    """Retries of unchanged code (loops, nesting, run(), patched()) replay without a warning."""
     app = make_app()
     calls: Counter[str] = Counter()
 
@@ -309,6 +319,7 @@ def test_unchanged_code_replays_without_any_warning(
 
 
 def test_patched_keeps_old_runs_on_the_old_branch(make_app: Callable[..., Celery]) -> None:
+    """patched() keeps runs begun before a deploy on the old branch; the patch can be retired."""
     ran: list[str] = []
 
     def v1() -> None:
@@ -363,6 +374,7 @@ def test_patched_keeps_old_runs_on_the_old_branch(make_app: Callable[..., Celery
 
 
 def test_code_fingerprints_ignore_layout_and_comments() -> None:
+    """Code fingerprints ignore layout and comments but change with the code; builtins have none."""
     import ast
 
     from celery_duraflow._rewrite import code_fingerprint, fingerprint_nodes

@@ -23,6 +23,7 @@ SECRET = "PNR-SECRET-4242"
 
 def test_signals_and_logs_of_a_run_with_a_retry_and_a_failure(
         make_app: Callable[..., Celery], caplog: pytest.LogCaptureFixture) -> None:
+    """Step signals fire in order through retries, failure and undo; outputs log at DEBUG only."""
     app = make_app()
     seen: list[tuple[str, str, Any]] = []
 

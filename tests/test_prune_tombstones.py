@@ -111,6 +111,7 @@ def _tasks(app: Celery, calls: Counter[str]) -> tuple[Any, Any]:
 
 def test_a_pruned_succeeded_run_delivered_again_runs_no_step(
         make_app: Callable[..., Celery]) -> None:
+    """A late delivery of a pruned run finds its tombstone and runs no step: no charge twice."""
     app = make_app()
     calls: Counter[str] = Counter()
     book, _ = _tasks(app, calls)
@@ -220,6 +221,7 @@ def test_a_pruned_run_cannot_be_retried_or_signalled(make_app: Callable[..., Cel
 
 def test_prune_keeps_unended_runs_and_a_second_prune_leaves_tombstones_alone(
         make_app: Callable[..., Celery]) -> None:
+    """Prune keeps an old waiting run, and a second prune does not prune tombstones again."""
     app = make_app()
 
     @app.task(base=DurableTask, name="tomb.approve")
@@ -244,6 +246,7 @@ def test_prune_keeps_unended_runs_and_a_second_prune_leaves_tombstones_alone(
 
 def test_tombstones_are_deleted_by_a_later_prune_after_their_retention(
         make_app: Callable[..., Celery]) -> None:
+    """A later prune deletes tombstones older than their retention, with any signals they kept."""
     app = make_app()
     calls: Counter[str] = Counter()
     book, _ = _tasks(app, calls)

@@ -126,6 +126,7 @@ def _errors(app: Celery, task_ids: list[str]) -> list[str]:
 
 def test_the_first_sweep_sends_a_good_run_behind_hundreds_it_cannot_send(
         make_app: Callable[..., Celery]) -> None:
+    """One sweep sends a lost run queued behind hundreds it cannot send, and marks those failed."""
     app = make_app(eager=False, task_eager_propagates=True)
     calls: Counter[str] = Counter()
     trip = _trip_task(app, calls)
@@ -191,6 +192,7 @@ def test_failing_an_unsendable_run_is_fenced(make_app: Callable[..., Celery]) ->
 
 def test_recover_once_says_which_runs_it_marked_failed(
         make_app: Callable[..., Celery]) -> None:
+    """`recover --once` names the runs it sent and the ones it marked failed as unsendable."""
     app = make_app(eager=False, task_eager_propagates=True)
     trip = _trip_task(app, Counter())
     good = _lost_good_run(app, trip)

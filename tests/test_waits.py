@@ -103,6 +103,7 @@ def test_long_sleep_is_woken_by_the_sweep_not_the_broker(make_app: Callable[...,
 
 def test_sleep_until_a_moment_already_past_returns_at_once(
         make_app: Callable[..., Celery]) -> None:
+    """Sleeping until a moment already past returns at once, and the sleep is recorded completed."""
     app = make_app()
 
     @app.task(base=DurableTask)
@@ -118,6 +119,7 @@ def test_sleep_until_a_moment_already_past_returns_at_once(
 
 
 def test_sleep_arguments_are_checked(make_app: Callable[..., Celery]) -> None:
+    """sleep() refuses a duration and until= together, and refuses to run outside a durable task."""
     app = make_app()
 
     @app.task(base=DurableTask)
@@ -131,6 +133,7 @@ def test_sleep_arguments_are_checked(make_app: Callable[..., Celery]) -> None:
 
 def test_signal_wakes_a_waiting_run_and_the_first_payload_wins(
         make_app: Callable[..., Celery]) -> None:
+    """A signal wakes a waiting run, which reruns no step; the first payload sent is kept."""
     app = _worker_app(make_app)
     calls: Counter[str] = Counter()
 
@@ -160,6 +163,7 @@ def test_signal_wakes_a_waiting_run_and_the_first_payload_wins(
 
 
 def test_signal_sent_before_the_wait_is_kept_for_it(make_app: Callable[..., Celery]) -> None:
+    """A signal sent before the run reaches its wait is kept, and answers that wait."""
     app = _worker_app(make_app)
 
     @app.task(base=DurableTask)
@@ -207,6 +211,7 @@ def test_signal_timeout_is_raised_and_replayed(make_app: Callable[..., Celery]) 
 
 
 def test_signal_to_an_unknown_run_is_a_clear_error(make_app: Callable[..., Celery]) -> None:
+    """A signal to an unknown task id raises RunNotFound naming the run and the signal."""
     app = make_app()
     missing = str(uuid.uuid4())
     with pytest.raises(RunNotFound, match=missing) as info:
@@ -216,6 +221,7 @@ def test_signal_to_an_unknown_run_is_a_clear_error(make_app: Callable[..., Celer
 
 def test_child_result_comes_back_and_a_replay_starts_no_second_child(
         make_app: Callable[..., Celery]) -> None:
+    """A child's result comes back to its parent; a redelivered parent starts no second child."""
     app = _worker_app(make_app)
     calls: Counter[str] = Counter()
     release = threading.Event()
@@ -263,6 +269,7 @@ def test_child_result_comes_back_and_a_replay_starts_no_second_child(
 
 
 def test_failed_child_raises_child_failed_in_the_parent(make_app: Callable[..., Celery]) -> None:
+    """A child that fails raises ChildFailed in its parent, with the child's id and error."""
     app = _worker_app(make_app)
 
     @app.task(base=DurableTask)
@@ -285,6 +292,7 @@ def test_failed_child_raises_child_failed_in_the_parent(make_app: Callable[..., 
 
 
 def test_child_timeout(make_app: Callable[..., Celery]) -> None:
+    """A parent stops waiting for a child at its timeout; the child goes on and finishes."""
     app = _worker_app(make_app)
     release = threading.Event()
 
@@ -310,6 +318,7 @@ def test_child_timeout(make_app: Callable[..., Celery]) -> None:
 
 
 def test_child_must_be_durable(make_app: Callable[..., Celery]) -> None:
+    """child() refuses a task that is not a DurableTask, with a TypeError saying so."""
     app = make_app()
 
     @app.task

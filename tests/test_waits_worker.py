@@ -121,6 +121,7 @@ def project(pg_url: str, redis_url: str, table_prefix: str,
 
 
 def test_sleep_spans_a_worker_restart_and_wakes_on_time(project: Project) -> None:
+    """A sleep outlives a restart of every worker, and the run wakes within a second of its time."""
     project.start_sweeper(interval=0.2)
     first = project.start_worker()
     # Long enough for a worker restart on a loaded 2-core machine (about 2 to 5 s).
@@ -141,6 +142,7 @@ def test_sleep_spans_a_worker_restart_and_wakes_on_time(project: Project) -> Non
 
 
 def test_signal_sent_from_the_cli_while_no_worker_runs(project: Project) -> None:
+    """A signal sent with the CLI while no worker runs is stored once and wakes the run later."""
     worker = project.start_worker()
     result = project.send("proj.approve_booking", 120)
     waiting = project.until(result.id, "waiting")

@@ -155,6 +155,7 @@ def define_tasks(app: Celery) -> SimpleNamespace:
 
 def test_runs_page_lists_newest_first_with_counts_and_filters(
         make_app: Callable[..., Celery]) -> None:
+    """The runs page lists newest first, counts by status, and filters by status and task."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     ok = [tasks.book.apply(args=(n,)).id for n in range(3)]
@@ -187,6 +188,7 @@ def test_runs_page_lists_newest_first_with_counts_and_filters(
 
 def test_pagination_follows_the_cursor_and_lists_every_run_once(
         make_app: Callable[..., Celery]) -> None:
+    """Paging through the runs shows each run once, even runs created in the same instant."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     ids = [tasks.book.apply(args=(n,)).id for n in range(7)]
@@ -231,6 +233,7 @@ def test_pagination_follows_the_cursor_and_lists_every_run_once(
 
 def test_run_page_shows_timeline_arguments_result_and_errors(
         make_app: Callable[..., Celery]) -> None:
+    """A run page shows arguments, result, timeline, errors, undos and steps in doubt."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     ok = tasks.book.apply(args=(21,), kwargs={"who": "bea"}).id
@@ -272,6 +275,7 @@ def test_run_page_shows_timeline_arguments_result_and_errors(
 
 
 def test_run_page_of_a_waiting_run_and_an_unknown_run(make_app: Callable[..., Celery]) -> None:
+    """A waiting run's page says what it waits for; an unknown task id is a 404."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     waiting = tasks.approval.apply(args=(7,)).id
@@ -287,6 +291,7 @@ def test_run_page_of_a_waiting_run_and_an_unknown_run(make_app: Callable[..., Ce
 
 def test_values_stored_with_another_serializer_do_not_break_the_page(
         make_app: Callable[..., Celery]) -> None:
+    """Values the view cannot decode (another serializer) are marked so; the page still shows."""
     pickling = new_app(make_app, duraflow_serializer="pickle")
     tasks = define_tasks(pickling)
     task_id = tasks.book.apply(args=(3,)).id
@@ -303,6 +308,7 @@ def test_values_stored_with_another_serializer_do_not_break_the_page(
 
 
 def test_without_a_token_the_view_is_read_only(make_app: Callable[..., Celery]) -> None:
+    """Without a token the view is read-only: no buttons, and every action is refused with 403."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     waiting = tasks.approval.apply(args=(7,)).id
@@ -335,6 +341,7 @@ def test_without_a_token_the_view_is_read_only(make_app: Callable[..., Celery]) 
 
 
 def test_with_a_token_nothing_is_shown_before_logging_in(make_app: Callable[..., Celery]) -> None:
+    """With a token nothing shows before login, and the session cookie holds no token."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     task_id = tasks.book.apply(args=(1,)).id
@@ -380,6 +387,7 @@ def test_with_a_token_nothing_is_shown_before_logging_in(make_app: Callable[...,
 
 
 def test_login_only_returns_to_pages_of_this_site(make_app: Callable[..., Celery]) -> None:
+    """After login the view redirects only to a page of its own site, never to another host."""
     app = new_app(make_app)
     for target in ("//evil.example/x", "https://evil.example/", "/\\evil.example", "runs"):
         client = client_for(app, TOKEN)
@@ -388,6 +396,7 @@ def test_login_only_returns_to_pages_of_this_site(make_app: Callable[..., Celery
 
 
 def test_posts_need_a_session_and_its_csrf_field(make_app: Callable[..., Celery]) -> None:
+    """An action needs a session and that session's own CSRF field; otherwise nothing is sent."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     waiting = tasks.approval.apply(args=(7,)).id
@@ -417,6 +426,7 @@ def test_posts_need_a_session_and_its_csrf_field(make_app: Callable[..., Celery]
 
 
 def test_approve_sends_the_signal_and_the_run_succeeds(make_app: Callable[..., Celery]) -> None:
+    """Approve sends the run's signal; the run wakes and succeeds; the page says what was sent."""
     app = new_app(make_app, eager=False)
     tasks = define_tasks(app)
     with run_worker(app):
@@ -441,6 +451,7 @@ def test_approve_sends_the_signal_and_the_run_succeeds(make_app: Callable[..., C
 
 
 def test_reject_custom_payloads_and_stale_pages(make_app: Callable[..., Celery]) -> None:
+    """Reject and valid JSON payloads are sent; invalid JSON or a stale page sends nothing."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     first, second, third = (tasks.approval.apply(args=(n,)).id for n in range(3))
@@ -484,6 +495,7 @@ def test_reject_custom_payloads_and_stale_pages(make_app: Callable[..., Celery])
 
 
 def test_cancel_and_retry(make_app: Callable[..., Celery]) -> None:
+    """Cancel and Retry are offered where they apply, and the page says what each did or why not."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     waiting = tasks.approval.apply(args=(1,)).id
@@ -529,6 +541,7 @@ def test_cancel_and_retry(make_app: Callable[..., Celery]) -> None:
 
 
 def test_notes_in_the_address_must_be_signed_by_the_app(make_app: Callable[..., Celery]) -> None:
+    """A note in a page's address is shown only if the app signed it for that run."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     task_id = tasks.book.apply(args=(1,)).id
@@ -550,6 +563,7 @@ def test_notes_in_the_address_must_be_signed_by_the_app(make_app: Callable[..., 
 
 
 def test_html_in_stored_values_is_escaped(make_app: Callable[..., Celery]) -> None:
+    """HTML in outputs, errors and task ids is escaped on every page."""
     app = new_app(make_app)
     tasks = define_tasks(app)
     task_id = tasks.hostile.apply(args=(XSS,)).id
@@ -572,6 +586,7 @@ def test_html_in_stored_values_is_escaped(make_app: Callable[..., Celery]) -> No
 
 
 def test_security_headers_and_the_stylesheet(make_app: Callable[..., Celery]) -> None:
+    """Every response has a strict CSP, nosniff and no framing; an oversized post gets a 413."""
     app = new_app(make_app)
     client = client_for(app, TOKEN)
     for response in (client.get("/"), client.get("/login"), client.get("/runs/x"),
@@ -590,6 +605,7 @@ def test_security_headers_and_the_stylesheet(make_app: Callable[..., Celery]) ->
 
 
 def test_store_outage_is_a_503_page(make_app: Callable[..., Celery]) -> None:
+    """When the store cannot be reached, the view answers with a 503 page saying so."""
     app = new_app(make_app, duraflow_database_url="postgresql+psycopg://nobody@127.0.0.1:1/none",
                    duraflow_engine_options={"connect_args": {"connect_timeout": 1}})
     response = client_for(app).get("/")
@@ -598,6 +614,7 @@ def test_store_outage_is_a_503_page(make_app: Callable[..., Celery]) -> None:
 
 
 def test_the_page_query_reads_an_index_and_uses_no_offset(sqlite_app: Celery) -> None:
+    """The runs page's query reads an index and pages with a cursor, never an OFFSET."""
     from sqlalchemy import text
     from sqlalchemy.dialects import postgresql
 
@@ -621,6 +638,7 @@ def test_the_page_query_reads_an_index_and_uses_no_offset(sqlite_app: Celery) ->
 
 
 def test_sessions_expire_and_cannot_be_forged() -> None:
+    """Sessions expire after their maximum age, and a tampered or tokenless one is never valid."""
     from celery_duraflow.web._security import SESSION_MAX_AGE, Guard
 
     guard = Guard(TOKEN)
@@ -641,6 +659,7 @@ def test_sessions_expire_and_cannot_be_forged() -> None:
 def test_serve_listens_on_the_loopback_interface_by_default(
         make_app: Callable[..., Celery], monkeypatch: pytest.MonkeyPatch,
         caplog: pytest.LogCaptureFixture) -> None:
+    """serve() listens on 127.0.0.1 by default and warns when exposed on plain HTTP or read-only."""
     import uvicorn
 
     from celery_duraflow.web import serve

@@ -117,6 +117,7 @@ def status_of(page: Page) -> str:
 
 def test_log_in_and_approve_a_waiting_run(make_app: Callable[..., Celery], page: Page,
                                           tmp_path: Path) -> None:
+    """In a browser, an operator logs in, approves a waiting run, and sees it succeed."""
     from playwright.sync_api import expect
 
     app = new_app(make_app)
@@ -171,6 +172,7 @@ def test_log_in_and_approve_a_waiting_run(make_app: Callable[..., Celery], page:
 
 def test_actions_without_the_token_are_refused(make_app: Callable[..., Celery],
                                                page: Page) -> None:
+    """Without the token, a session or its CSRF field, a browser cannot send a signal."""
     from playwright.sync_api import expect
 
     app = new_app(make_app)
@@ -223,6 +225,7 @@ def test_actions_without_the_token_are_refused(make_app: Callable[..., Celery],
 
 def test_html_in_a_step_output_is_shown_as_text(make_app: Callable[..., Celery], page: Page,
                                                 tmp_path: Path) -> None:
+    """HTML in step outputs and errors shows as text in a browser, and no script runs."""
     from playwright.sync_api import ConsoleMessage, Dialog, expect
 
     app = new_app(make_app)
