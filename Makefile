@@ -49,6 +49,15 @@ $(BENCH_STAMP): $(STAMP)
 bench: $(BENCH_STAMP)
 	$(BIN)/python -m benchmarks $(BENCH_ARGS)
 
+# make celery-suite: Celery's own tests (t/unit/tasks/ and an integration subset against
+# Redis) run with the plain task class and with DurableTask; fails on a test that passes
+# only with the plain one (.ci/celery_suite/README.md). CELERY_SUITE_ARGS=unit runs the
+# unit part alone.
+.PHONY: celery-suite
+
+celery-suite: venv
+	PYTHON=$(BIN)/python bash .ci/celery_suite/run.sh $(CELERY_SUITE_ARGS)
+
 # make docs: the documentation site (docs/, Sphinx with MyST and furo) in docs/_build/html,
 # with the `docs` extra installed on top of the dev one. Every warning is an error, as in CI.
 # SPHINXOPTS=-E rebuilds every page (an incremental build reports only the pages it rereads).
