@@ -30,7 +30,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import (
@@ -47,6 +47,7 @@ from sqlalchemy import (
     update,
 )
 
+from ._records import utc_now
 from ._store import FINISHED, RUN_STATUSES, STEP_COMPLETED, RunRecord, Store
 
 #: What ``prune`` may delete: runs that have ended.
@@ -100,10 +101,6 @@ class RunSummary:
     steps_total: int
 
 
-def _now() -> datetime:
-    return datetime.now(UTC)
-
-
 def _filters(store: Store, *, task_name: str | None, older_than: timedelta | None,
              newer_than: timedelta | None, now: datetime) -> list[ColumnElement[bool]]:
     runs = store.tables.runs
@@ -142,7 +139,7 @@ def listing_query(store: Store, *, statuses: Sequence[str] = (), task_name: str 
     columns = [null().label(column.name) if brief and column.name in _NOT_LISTED else column
                for column in runs.c]
     conditions = _filters(store, task_name=task_name, older_than=older_than,
-                          newer_than=newer_than, now=now or _now())
+                          newer_than=newer_than, now=now or utc_now())
     if before is not None:
         created_at, task_id = before
         conditions.append(and_(runs.c.created_at <= created_at,
@@ -220,7 +217,7 @@ def count_by_status(store: Store, *, statuses: Sequence[str] = (), task_name: st
     """
     runs = store.tables.runs
     conditions = _filters(store, task_name=task_name, older_than=older_than,
-                          newer_than=newer_than, now=_now())
+                          newer_than=newer_than, now=utc_now())
     chosen = check_statuses(statuses)
     if chosen:
         conditions.append(runs.c.status.in_(chosen))
@@ -305,7 +302,7 @@ def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUN
     _check_batch_size(batch_size)
     tables = store.tables
     runs, steps, signals = tables.runs, tables.steps, tables.signals
-    now = _now()
+    now = utc_now()
     cutoff = now - older_than
     runs_pruned = steps_deleted = 0
     for status in chosen:
@@ -358,7 +355,7 @@ def delete_tombstones(store: Store, *, older_than: timedelta = TOMBSTONE_RETENTI
     _check_batch_size(batch_size)
     tables = store.tables
     runs, steps, signals = tables.runs, tables.steps, tables.signals
-    candidates = tombstones_query(store, cutoff=_now() - older_than, batch_size=batch_size)
+    candidates = tombstones_query(store, cutoff=utc_now() - older_than, batch_size=batch_size)
     deleted = 0
     while True:
         with store.transaction("deleting tombstones of pruned runs") as conn:
@@ -379,7 +376,7 @@ def count_tombstones(store: Store, *,
     """What :func:`delete_tombstones` would delete now; deletes nothing."""
     runs = store.tables.runs
     query = (select(func.count()).select_from(runs)
-             .where(runs.c.pruned_at.is_not(None), runs.c.pruned_at < _now() - older_than))
+             .where(runs.c.pruned_at.is_not(None), runs.c.pruned_at < utc_now() - older_than))
     with store.reading("counting tombstones of pruned runs") as conn:
         return int(conn.execute(query).scalar_one())
 
@@ -389,7 +386,7 @@ def count_prunable(store: Store, *, older_than: timedelta,
     """What :func:`prune` would prune now, as (runs, steps); changes nothing."""
     chosen = _prunable(statuses)
     runs, steps = store.tables.runs, store.tables.steps
-    cutoff = _now() - older_than
+    cutoff = utc_now() - older_than
     doomed = (select(runs.c.task_id)
               .where(runs.c.status.in_(chosen), runs.c.pruned_at.is_(None),
                      runs.c.updated_at < cutoff, _may_go(store)))

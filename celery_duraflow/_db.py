@@ -1,0 +1,436 @@
+"""The database under the store: one engine per process, its connections and errors.
+
+The engine is created on first use and belongs to the process that created it:
+after a fork (prefork pool) the child disposes the inherited pool with
+``close=False`` and opens its own connections. Every statement goes through
+:meth:`Database._write`, :meth:`Database._read` or a transaction, which turn the
+driver's connection errors into :class:`~celery_duraflow.errors.StoreUnavailable`
+(or, for those that waiting cannot cure, ``StoreMisconfigured``). The differences
+between PostgreSQL and SQLite in how a connection is set up and how a write
+commits live here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select as select_module
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import (
+    DBAPIError,
+    DisconnectionError,
+    InterfaceError,
+    NoSuchModuleError,
+    OperationalError,
+)
+from sqlalchemy.exc import (
+    TimeoutError as PoolTimeoutError,
+)
+
+from ._config import Config
+from ._schema import LATEST_VERSION, Tables, build_tables, current_version, migrate
+from .errors import ConfigurationError, StoreMisconfigured, StoreUnavailable
+
+logger = logging.getLogger("celery_duraflow.store")
+
+
+# The escape character of every LIKE pattern built with like_literal().
+LIKE_ESCAPE = "\\"
+
+
+def like_literal(text: str) -> str:
+    """``text`` as the literal part of a LIKE pattern (use ``escape=LIKE_ESCAPE``)."""
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+
+
+_UNAVAILABLE: tuple[type[Exception], ...] = (
+    OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)
+try:  # the hot path runs some statements on the psycopg connection itself
+    import psycopg
+
+    _UNAVAILABLE += (psycopg.OperationalError, psycopg.InterfaceError)
+except ImportError:  # pragma: no cover - psycopg is a dependency
+    pass
+
+
+def _sqlite_engine_events(engine: Engine) -> None:
+    """Make pysqlite behave: real transactions, WAL, foreign keys, patience."""
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy, not the driver, decide when a transaction begins.
+        dbapi_conn.isolation_level = None
+        cursor = dbapi_conn.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA busy_timeout=30000")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # Take the write lock at the start, so that two writers queue on busy_timeout
+        # instead of failing with "database is locked" when one upgrades its lock.
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _hung_up(dbapi_conn: Any) -> str | None:
+    """Why a psycopg connection is visibly unusable, at the cost of one select(); or None.
+
+    When PostgreSQL restarts it tells every connection so and closes it; an
+    idle connection then has data or EOF waiting on its socket.
+    """
+    try:
+        if dbapi_conn.closed or dbapi_conn.broken:
+            return "the connection is closed"
+        readable, _, _ = select_module.select([dbapi_conn.pgconn.socket], [], [], 0)
+    except Exception as exc:
+        return f"the connection is unusable: {exc}"
+    return "the server closed the connection while it was idle" if readable else None
+
+
+def _postgres_engine_events(engine: Engine) -> None:
+    """Notice, at no cost, pooled connections the server closed while they sat idle.
+
+    A zero-timeout select() at checkout (see :func:`_hung_up`) makes the pool
+    open a fresh connection instead, so the first statement after an outage
+    succeeds, without the extra round trip of ``pool_pre_ping``.
+    """
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+        problem = _hung_up(dbapi_conn)
+        if problem:
+            raise DisconnectionError(problem)
+
+
+class Database:
+    """The engine, connections and schema of one store configuration."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.tables: Tables = build_tables(config.table_prefix)
+        self.dialect: str = config.database_url.get_backend_name()
+        self._engine: Engine | None = None
+        self._engine_pid: int | None = None
+        self._schema_ready = False
+        self._lock = threading.Lock()
+        # The connection a thread holds for the attempt it is running (see held_connection).
+        self._held = threading.local()
+
+    # -- engine and schema ---------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        engine = self._engine
+        if engine is not None and self._engine_pid == os.getpid():
+            return engine
+        with self._lock:
+            if self._engine is not None and self._engine_pid != os.getpid():
+                # Inherited across a fork: never touch the parent's connections.
+                self._engine.dispose(close=False)
+                self._engine = None
+            if self._engine is None:
+                self._engine = self._create_engine()
+                self._engine_pid = os.getpid()
+            return self._engine
+
+    def _create_engine(self) -> Engine:
+        url = self.config.database_url
+        options: dict[str, Any] = dict(self.config.engine_options)
+        # A statement's parameters are step outputs, signal payloads and task arguments:
+        # keep them out of database error messages and SQL logs, where they would reach
+        # exception text, a result backend and log files.
+        options.setdefault("hide_parameters", True)
+        if self.dialect == "sqlite":
+            connect_args = dict(options.pop("connect_args", {}))
+            connect_args.setdefault("check_same_thread", False)
+            connect_args.setdefault("timeout", 30)
+            options["connect_args"] = connect_args
+        if self.dialect == "postgresql":
+            # Every write is one statement that commits on its own: autocommit, so there
+            # is no BEGIN or COMMIT round trip. Migrations ask for transactions explicitly.
+            options.setdefault("isolation_level", "AUTOCOMMIT")
+        try:
+            engine = create_engine(url, **options)
+        except (NoSuchModuleError, ImportError, TypeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"cannot create a database engine for duraflow_database_url "
+                f"{url.render_as_string(hide_password=True)!r}: {exc}. Check the URL's driver "
+                "and duraflow_engine_options."
+            ) from None
+        if self.dialect == "sqlite":
+            _sqlite_engine_events(engine)
+        elif self.dialect == "postgresql" and url.get_driver_name() == "psycopg":
+            _postgres_engine_events(engine)
+        return engine
+
+    def _transactional(self) -> Engine:
+        """The engine with real transactions, for migrations (the hot path autocommits)."""
+        if self.dialect == "postgresql":
+            return self.engine.execution_options(isolation_level="READ COMMITTED")
+        return self.engine
+
+    def dispose_after_fork(self) -> None:
+        """Drop connections inherited from a parent process without closing them."""
+        with self._lock:
+            if self._engine is not None:
+                self._engine.dispose(close=False)
+                self._engine = None
+                self._engine_pid = None
+
+    def close(self) -> None:
+        """Close every pooled connection (tests, shutdown)."""
+        with self._lock:
+            if self._engine is not None:
+                self._engine.dispose()
+                self._engine = None
+                self._engine_pid = None
+            self._schema_ready = False
+
+    def ensure_schema(self, task_id: str | None = None, step_key: str | None = None) -> None:
+        """Create or upgrade the schema once per process (``duraflow_auto_migrate``)."""
+        if self._schema_ready:
+            return
+        with self._unavailable("preparing the schema", task_id, step_key):
+            with self.engine.connect() as conn:
+                version = current_version(conn, self.tables)
+            if version > LATEST_VERSION:
+                raise StoreMisconfigured(
+                    f"the celery-duraflow schema with prefix {self.config.table_prefix!r} in "
+                    f"{self._shown_url} is at version {version}, newer than this release knows "
+                    f"({LATEST_VERSION}): a newer celery-duraflow migrated it. Upgrade "
+                    "celery-duraflow on this worker too.", task_id=task_id, step_key=step_key)
+            if self.config.auto_migrate:
+                if version < LATEST_VERSION:
+                    migrate(self._transactional(), self.tables, self.config.table_prefix)
+            elif version < LATEST_VERSION:
+                raise StoreMisconfigured(
+                    f"the celery-duraflow schema with prefix {self.config.table_prefix!r} in "
+                    f"{self._shown_url} is at version {version}, this release needs "
+                    f"{LATEST_VERSION}, and duraflow_auto_migrate is off: apply the migrations "
+                    "first (celery -A proj duraflow migrate).", task_id=task_id,
+                    step_key=step_key)
+        self._schema_ready = True
+
+    def migrate(self) -> list[int]:
+        """Apply pending migrations now; return the versions applied."""
+        with self._unavailable("migrating the schema"):
+            applied = migrate(self._transactional(), self.tables, self.config.table_prefix)
+        self._schema_ready = True
+        return applied
+
+    # -- connections ---------------------------------------------------------------------
+
+    @property
+    def _shown_url(self) -> str:
+        return self.config.database_url.render_as_string(hide_password=True)
+
+    @contextmanager
+    def _unavailable(self, action: str, task_id: str | None = None,
+                     step_key: str | None = None) -> Iterator[None]:
+        """Turn the driver's connection errors into StoreUnavailable (waiting may help)
+        or StoreMisconfigured (it will not: the database said no for good)."""
+        try:
+            yield
+        except _UNAVAILABLE as exc:
+            where = f" for task {task_id}" if task_id else ""
+            if step_key:
+                where += f", step {step_key!r}"
+            fix = self._permanent(exc)
+            if fix is not None:
+                raise StoreMisconfigured(
+                    f"the step store {self._shown_url} refused the connection while {action}"
+                    f"{where}: {_short(exc)}. Waiting will not change that: {fix}. Nothing was "
+                    "run or recorded.",
+                    task_id=task_id,
+                    step_key=step_key,
+                ) from None
+            raise StoreUnavailable(
+                f"the step store is unavailable while {action}{where}: {_short(exc)}. Nothing "
+                "was run for this step; the attempt can be retried safely (add StoreUnavailable "
+                "to autoretry_for).",
+                task_id=task_id,
+                step_key=step_key,
+            ) from exc
+
+    @contextmanager
+    def held_connection(self) -> Iterator[None]:
+        """Let this thread keep one pooled connection until the block ends (an attempt).
+
+        Every statement of an attempt then goes to the same connection
+        without a trip through the pool, which costs about as much Python
+        time per statement as the rest of a step's client side. Before each
+        use the connection is checked like a pool checkout (one select()) and
+        replaced if the server closed it, and it is dropped after an error
+        that makes the store unavailable. Nested blocks share the outer
+        block's connection. PostgreSQL only: SQLite writes are transactions.
+        A worker therefore holds one connection per running attempt; size
+        ``pool_size`` in ``duraflow_engine_options`` to the worker's concurrency
+        when it runs more than five attempts at once in one process.
+        """
+        if self.dialect != "postgresql":
+            yield
+            return
+        held = self._held
+        depth = getattr(held, "depth", 0)
+        held.depth = depth + 1
+        try:
+            yield
+        finally:
+            held.depth = depth
+            if depth == 0:
+                self._drop_held(invalidate=False)
+
+    def _drop_held(self, *, invalidate: bool) -> None:
+        held = self._held
+        conn: Connection | None = getattr(held, "conn", None)
+        held.conn = None
+        if conn is None:
+            return
+        try:
+            if invalidate:
+                conn.invalidate()
+            conn.close()
+        except Exception:  # pragma: no cover - a broken connection's last words
+            logger.debug("closing a held connection failed", exc_info=True)
+
+    @contextmanager
+    def _connect(self) -> Iterator[Connection]:
+        """A connection for one statement: the thread's held one, or one from the pool."""
+        held = self._held
+        if not getattr(held, "depth", 0):
+            with self.engine.connect() as pooled:
+                yield pooled
+            return
+        engine = self.engine
+        conn: Connection | None = getattr(held, "conn", None)
+        if conn is not None and (conn.closed or conn.invalidated
+                                 or getattr(held, "engine", None) is not engine
+                                 or _hung_up(conn.connection.driver_connection)):
+            self._drop_held(invalidate=True)
+            conn = None
+        if conn is None:
+            conn = engine.connect()
+            held.conn, held.engine = conn, engine
+        try:
+            yield conn
+        except _UNAVAILABLE:
+            self._drop_held(invalidate=True)
+            raise
+
+    @contextmanager
+    def _write(self, action: str, task_id: str | None = None,
+               step_key: str | None = None) -> Iterator[Connection]:
+        """A connection for one write that is durable when the block ends."""
+        self.ensure_schema(task_id, step_key)
+        with self._unavailable(action, task_id, step_key):
+            if self.dialect == "postgresql":
+                # One statement, committed by the server on its own (an autocommit engine).
+                with self._connect() as conn:
+                    yield conn
+            else:
+                with self.engine.begin() as conn:
+                    yield conn
+
+    @contextmanager
+    def _read(self, action: str, task_id: str | None = None,
+              step_key: str | None = None) -> Iterator[Connection]:
+        self.ensure_schema(task_id, step_key)
+        with self._unavailable(action, task_id, step_key):
+            if self.dialect == "postgresql":
+                with self._connect() as conn:
+                    yield conn
+            else:
+                with self.engine.connect() as conn:
+                    yield conn
+
+    # -- for queries written outside the store (the operator commands in _admin) ---------
+
+    @contextmanager
+    def reading(self, action: str) -> Iterator[Connection]:
+        """A connection for the reads of one query, once the schema is ready.
+
+        The driver's connection errors become StoreUnavailable (or
+        StoreMisconfigured) saying what failed while ``action`` (``"listing
+        runs"``), as they do for the store's own reads.
+        """
+        with self._read(action) as conn:
+            yield conn
+
+    @contextmanager
+    def transaction(self, action: str) -> Iterator[Connection]:
+        """A connection in one transaction, committed when the block ends, rolled back if
+        it raises; connection errors are mapped as by :meth:`reading`.
+
+        It is a real transaction on PostgreSQL too (whose other writes
+        autocommit), so that rows selected ``FOR UPDATE`` stay locked until the
+        end of the block.
+        """
+        self.ensure_schema()
+        with self._unavailable(action), self._transactional().begin() as conn:
+            yield conn
+
+    def _permanent(self, exc: BaseException) -> str | None:
+        """What to fix, when a connection error is one that waiting cannot cure."""
+        original = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+        text = str(original).lower()
+        if self.dialect == "sqlite":
+            path = self.config.database_url.database or ""
+            folder = os.path.dirname(os.path.abspath(path)) if path else ""
+            if "unable to open database file" in text and folder and not os.path.isdir(folder):
+                return (f"the folder {folder} does not exist; create it or point "
+                        "duraflow_database_url at a file in an existing folder")
+            return None
+        for phrase, fix in _PERMANENT:
+            if phrase in text:
+                return fix
+        return None
+
+    def check_reachable(self, task_id: str, step_key: str) -> None:
+        """Raise StoreUnavailable if the database is visibly gone, before a step's body runs.
+
+        The attempt's connection is checked as a pool checkout checks it: a
+        server that shut down or restarted has closed it, and if a new one
+        cannot be opened the step stops here, with nothing run. It costs no
+        round trip. A network that fails silently is only
+        noticed when the step's end is written; that step is then in doubt.
+        """
+        if self.dialect != "postgresql":
+            return
+        self.ensure_schema(task_id, step_key)
+        with self._unavailable("checking the connection", task_id, step_key), self._connect():
+            pass
+
+    def _insert(self, table: Any) -> Any:
+        dialect = postgresql if self.dialect == "postgresql" else sqlite
+        return dialect.insert(table)
+
+
+# What the server says when the answer will not change by waiting (psycopg reports no
+# SQLSTATE for a refused connection, so the server's message is all there is), and what
+# to do about it.
+_PERMANENT = (
+    ("does not exist", "check the database name and the user in duraflow_database_url, or "
+                       "create them"),
+    ("password authentication failed", "check the user and password in duraflow_database_url"),
+    ("authentication failed", "check the user and password in duraflow_database_url"),
+    ("no pg_hba.conf entry", "allow this host and user in the server's pg_hba.conf"),
+    ("permission denied", "grant the user of duraflow_database_url access to the database"),
+    ("sslmode value", "fix the sslmode in duraflow_database_url"),
+    ("invalid dsn", "fix duraflow_database_url"),
+    ("invalid connection option", "fix the options in duraflow_database_url"),
+)
+
+
+def _short(exc: BaseException) -> str:
+    original = exc.orig if isinstance(exc, DBAPIError) and exc.orig is not None else exc
+    first_line = str(original).strip().splitlines()[0] if str(original).strip() else ""
+    return f"{type(original).__name__}: {first_line}" if first_line else type(original).__name__
