@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import select as select_module
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -68,9 +70,9 @@ def _sqlite_engine_events(engine: Engine) -> None:
         # Let SQLAlchemy, not the driver, decide when a transaction begins.
         dbapi_conn.isolation_level = None
         cursor = dbapi_conn.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA busy_timeout=30000")
+        _use_wal(cursor)
+        cursor.execute("PRAGMA foreign_keys=ON")
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
@@ -79,6 +81,26 @@ def _sqlite_engine_events(engine: Engine) -> None:
         # Take the write lock at the start, so that two writers queue on busy_timeout
         # instead of failing with "database is locked" when one upgrades its lock.
         conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _use_wal(cursor: Any) -> None:
+    """Put the database in WAL mode, once, even when several connections open it at once.
+
+    Changing the journal mode needs the database to itself, and SQLite answers
+    "database is locked" at once, without waiting on busy_timeout, while another
+    connection is changing it too (processes or threads starting together on a
+    new file). Once the file is in WAL mode, every later connection only reads it.
+    """
+    for attempt in range(100):
+        if str(cursor.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+            return
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == 99:
+                raise
+            time.sleep(0.05)
 
 
 def _hung_up(dbapi_conn: Any) -> str | None:

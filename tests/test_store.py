@@ -378,3 +378,30 @@ def test_upgrade_to_the_step_primary_key_keeps_every_recorded_step(
                              serializer="json", started_at=datetime.now(UTC), new=True,
                              position=4)
     assert store.get_step("old-run", "s3").position == 4  # type: ignore[union-attr]
+
+
+def test_connections_opening_a_new_sqlite_file_at_once_all_succeed(tmp_path: Path) -> None:
+    """Threads opening a new SQLite store at once never fail to switch it to WAL mode."""
+    for round_ in range(15):
+        url = f"sqlite:///{tmp_path}/race{round_}.db"
+        barrier = threading.Barrier(6)
+        errors: list[BaseException] = []
+
+        def connect(url: str = url, barrier: threading.Barrier = barrier,
+                    errors: list[BaseException] = errors) -> None:
+            store = Store(load_config({"duraflow_database_url": url}, environ={}))
+            barrier.wait()
+            try:
+                with store.engine.connect() as conn:
+                    assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+            finally:
+                store.close()
+
+        threads = [threading.Thread(target=connect) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert errors == []
