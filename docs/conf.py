@@ -56,7 +56,7 @@ nitpick_ignore_regex = [
 # Private names that public docstrings and signatures mention. They are not part of the
 # documented API, so there is nothing to link to.
 nitpick_ignore = [
-    ("py:class", "celery_duraflow._store.RunRecord"),  # what retry_run() returns
+    ("py:class", "celery_duraflow._records.RunRecord"),  # what retry_run() returns
 ]
 
 
