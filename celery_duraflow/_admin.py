@@ -37,9 +37,11 @@ from sqlalchemy import (
     ColumnElement,
     Select,
     and_,
+    case,
     delete,
     exists,
     func,
+    literal,
     null,
     or_,
     select,
@@ -47,8 +49,21 @@ from sqlalchemy import (
     update,
 )
 
-from ._records import utc_now
-from ._store import FINISHED, RUN_STATUSES, STEP_COMPLETED, RunRecord, Store
+from ._db import LIKE_ESCAPE, like_literal
+from ._records import (
+    FINISHED,
+    REPLACED,
+    RUN_STATUSES,
+    RUNNING,
+    SLEEPING,
+    STEP_COMPLETED,
+    WAITING,
+    RunRecord,
+    as_utc,
+    utc_now,
+)
+from ._store import Store
+from .errors import RunNotFound, RunStateError
 
 #: What ``prune`` may delete: runs that have ended.
 PRUNABLE = FINISHED
@@ -271,9 +286,7 @@ def prune_candidates_query(store: Store, *, status: str, cutoff: datetime,
                     runs.c.updated_at < cutoff, _may_go(store))
              .order_by(runs.c.updated_at)
              .limit(batch_size))
-    if store.dialect == "postgresql":
-        query = query.with_for_update(skip_locked=True, of=runs)
-    return query
+    return store.for_update(query, skip_locked=True, of=runs)
 
 
 def _check_batch_size(batch_size: int) -> None:
@@ -338,9 +351,7 @@ def tombstones_query(store: Store, *, cutoff: datetime, batch_size: int) -> Sele
              .where(runs.c.pruned_at.is_not(None), runs.c.pruned_at < cutoff)
              .order_by(runs.c.pruned_at)
              .limit(batch_size))
-    if store.dialect == "postgresql":
-        query = query.with_for_update(skip_locked=True, of=runs)
-    return query
+    return store.for_update(query, skip_locked=True, of=runs)
 
 
 def delete_tombstones(store: Store, *, older_than: timedelta = TOMBSTONE_RETENTION,
@@ -398,3 +409,165 @@ def count_prunable(store: Store, *, older_than: timedelta,
         doomed_steps = conn.execute(step_count).scalar_one()
     return int(doomed_runs), int(doomed_steps)
 
+
+# -- operator commands on one run: cancel, retry, and a patch's progress ---------------
+
+def request_cancel(store: Store, task_id: str, *, grace: float) -> tuple[RunRecord | None, bool]:
+    """Ask an unfinished run to stop; return it (None if unknown) and whether to send it.
+
+    A sleeping or waiting run is made runnable at once (the caller sends
+    it), so that its cancellation and compensations happen now; a running
+    run stops at its next step boundary; a run that already ended is
+    returned unchanged.
+    """
+    runs = store.tables.runs
+    now = utc_now()
+    ask = (
+        update(runs)
+        .where(runs.c.task_id == task_id, runs.c.status.not_in(FINISHED))
+        .values(unwinding=case((runs.c.unwinding == "failure", runs.c.unwinding),
+                               else_=literal("cancel")), updated_at=now)
+        .returning(*runs.c)
+    )
+    wake = (
+        update(runs)
+        .where(runs.c.task_id == task_id, runs.c.status.in_((SLEEPING, WAITING)))
+        .values(status=RUNNING, lease_owner=None,
+                lease_expires_at=now + timedelta(seconds=grace), updated_at=now,
+                wait_kind=None, waiting_for=None, wake_at=None)
+        .returning(*runs.c)
+    )
+    with store.transaction("cancelling the run", task_id) as conn:
+        row = conn.execute(ask).first()
+        if row is None:
+            found = conn.execute(select(runs).where(runs.c.task_id == task_id)).first()
+            return (RunRecord.from_row(found) if found is not None else None), False
+        woken = conn.execute(wake).first()
+    if woken is not None:
+        return RunRecord.from_row(woken), True
+    return RunRecord.from_row(row), False
+
+
+
+def reset_for_retry(store: Store, task_id: str, *, from_step: str | None, grace: float,
+                    compensation_prefix: str) -> RunRecord:
+    """Make an ended run runnable again under its task id, in one transaction.
+
+    With ``from_step``, the recorded outcome of that step, of the steps
+    nested in it and of every step that started after it is discarded, so
+    they run again. Refused for a run that has not ended, and for a run
+    whose steps were undone by compensations unless ``from_step`` is given
+    (their recorded outputs describe effects that no longer exist).
+    """
+    runs, steps = store.tables.runs, store.tables.steps
+    now = utc_now()
+    with store.transaction("resetting the run for a retry", task_id) as conn:
+        # A pruned run is gone for this purpose: its steps cannot be replayed.
+        query = select(runs).where(runs.c.task_id == task_id, runs.c.pruned_at.is_(None))
+        query = store.for_update(query)
+        row = conn.execute(query).first()
+        if row is None:
+            raise RunNotFound(f"no run with task id {task_id} is recorded; check the id.",
+                              task_id=task_id)
+        run = RunRecord.from_row(row)
+        if run.status not in FINISHED or run.unwinding is not None:
+            raise RunStateError(
+                f"run {task_id} is {run.status}, so it cannot be retried: only a run "
+                "that has ended (failed, compensated, cancelled, ignored, rejected or "
+                "succeeded) can. Cancel it first if it must stop.", task_id=task_id)
+        if run.status == REPLACED:
+            replacement = run.replaced_by or "a plain task, not recorded"
+            raise RunStateError(
+                f"run {task_id} was replaced (Task.replace): its work went on in its "
+                "replacement, whose run is recorded under the task id with ~r and the "
+                f"replacement's nesting appended (the first: {replacement}). Retry that run "
+                "instead.", task_id=task_id)
+        undone_keys = [row[0].removeprefix(compensation_prefix) for row in conn.execute(
+            select(steps.c.step_key).where(
+                steps.c.task_id == task_id,
+                steps.c.step_key.like(f"{like_literal(compensation_prefix)}%",
+                                      escape=LIKE_ESCAPE),
+                steps.c.status == STEP_COMPLETED))]
+        undone = len(undone_keys)
+        if undone and from_step is None:
+            raise RunStateError(
+                f"run {task_id} was compensated: {undone} of its steps were undone, so "
+                "replaying their recorded outputs would act on effects that no longer "
+                "exist. Retry it from the first step that must run again (--from-step "
+                "KEY), or send the work again under a new task id.", task_id=task_id)
+        if from_step is not None:
+            chosen = conn.execute(select(steps).where(
+                steps.c.task_id == task_id, steps.c.step_key == from_step)).first()
+            if chosen is None:
+                raise RunStateError(
+                    f"run {task_id} has no step {from_step!r}; `celery -A proj duraflow "
+                    f"show {task_id}` lists its steps.", task_id=task_id,
+                    step_key=from_step)
+            if undone_keys:
+                # Every undone step must run again: start no later than the first one.
+                first = conn.execute(
+                    select(steps.c.step_key, steps.c.started_at)
+                    .where(steps.c.task_id == task_id, steps.c.step_key.in_(undone_keys))
+                    .order_by(steps.c.started_at).limit(1)).first()
+                chosen_at, first_at = as_utc(chosen._mapping["started_at"]), (
+                    as_utc(first[1]) if first is not None else None)
+                if first is not None and chosen_at and first_at and chosen_at > first_at:
+                    raise RunStateError(
+                        f"run {task_id} was compensated: step {first[0]!r} was undone, "
+                        f"and it comes before {from_step!r}, so a retry from there would "
+                        f"replay its recorded output. Retry from {first[0]!r} or an "
+                        "earlier step.", task_id=task_id, step_key=from_step)
+            # The steps around it failed with it (for good, if it did): they run again.
+            parts = from_step.split("/")
+            ancestors = ["/".join(parts[:n]) for n in range(1, len(parts))]
+            if ancestors:
+                conn.execute(update(steps).where(
+                    steps.c.task_id == task_id, steps.c.step_key.in_(ancestors),
+                    steps.c.status != STEP_COMPLETED).values(body_exit=None))
+            conn.execute(steps.delete().where(
+                steps.c.task_id == task_id,
+                or_(steps.c.step_key == from_step,
+                    steps.c.step_key.like(like_literal(from_step) + "/%",
+                                          escape=LIKE_ESCAPE),
+                    steps.c.started_at >= chosen._mapping["started_at"])))
+        # Undo records belong to the ending that is being retried.
+        conn.execute(steps.delete().where(
+            steps.c.task_id == task_id,
+            steps.c.step_key.like(f"{like_literal(compensation_prefix)}%",
+                                  escape=LIKE_ESCAPE)))
+        updated = conn.execute(
+            update(runs).where(runs.c.task_id == task_id)
+            .values(status=RUNNING, result=None, serializer=None, error=None,
+                    finished_at=None, updated_at=now, lease_owner=None,
+                    lease_expires_at=now + timedelta(seconds=grace), retries=0,
+                    unwinding=None, interrupted=False)
+            .returning(*runs.c)).one()
+    return RunRecord.from_row(updated)
+
+
+
+def patch_status(store: Store, marker: str, task_name: str | None = None,
+                 limit: int = 100) -> tuple[datetime | None, int, list[RunRecord]]:
+    """For a ``patched()`` marker key: when it was first recorded, by how many runs, and
+    the unfinished runs that started before that and have not recorded it (they may
+    still take the old branch)."""
+    runs, steps = store.tables.runs, store.tables.steps
+    escaped = like_literal(marker)
+    matches = or_(steps.c.step_key == marker,
+                  steps.c.step_key.like(f"{escaped}#%", escape=LIKE_ESCAPE),
+                  steps.c.step_key.like(f"%/{escaped}", escape=LIKE_ESCAPE),
+                  steps.c.step_key.like(f"%/{escaped}#%", escape=LIKE_ESCAPE))
+    first_and_count = select(func.min(steps.c.started_at),
+                             func.count(steps.c.task_id.distinct())).where(matches)
+    with store.reading("reading a patch marker") as conn:
+        first, count = conn.execute(first_and_count).one()
+        first = as_utc(first)
+        conditions = [runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
+                      ~exists().where(steps.c.task_id == runs.c.task_id, matches)]
+        if first is not None:
+            conditions.append(runs.c.created_at < first)
+        if task_name is not None:
+            conditions.append(runs.c.task_name == task_name)
+        stmt = (select(runs).where(*conditions).order_by(runs.c.created_at).limit(limit))
+        old = [RunRecord.from_row(row) for row in conn.execute(stmt)]
+    return first, int(count or 0), old

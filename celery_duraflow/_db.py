@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, Select, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import (
@@ -388,7 +388,7 @@ class Database:
             yield conn
 
     @contextmanager
-    def transaction(self, action: str) -> Iterator[Connection]:
+    def transaction(self, action: str, task_id: str | None = None) -> Iterator[Connection]:
         """A connection in one transaction, committed when the block ends, rolled back if
         it raises; connection errors are mapped as by :meth:`reading`.
 
@@ -396,9 +396,15 @@ class Database:
         autocommit), so that rows selected ``FOR UPDATE`` stay locked until the
         end of the block.
         """
-        self.ensure_schema()
-        with self._unavailable(action), self._transactional().begin() as conn:
+        self.ensure_schema(task_id)
+        with self._unavailable(action, task_id), self._transactional().begin() as conn:
             yield conn
+
+    def for_update(self, query: Select[Any], **options: Any) -> Select[Any]:
+        """``query`` locking the rows it selects until the transaction ends: FOR UPDATE
+        (with ``options`` such as ``skip_locked``) on PostgreSQL; unchanged on SQLite,
+        whose transactions take the database's write lock when they begin."""
+        return query.with_for_update(**options) if self.dialect == "postgresql" else query
 
     def _permanent(self, exc: BaseException) -> str | None:
         """What to fix, when a connection error is one that waiting cannot cure."""

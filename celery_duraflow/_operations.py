@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from ._admin import request_cancel, reset_for_retry
 from ._compensation import COMPENSATION_PREFIX
 from ._config import app_and_config
 from ._send import send_run
@@ -26,7 +27,7 @@ def cancel(task_id: str, *, app: Any = None) -> bool:
     """
     app, config = app_and_config(app)
     store = store_for(config)
-    run, send = store.request_cancel(task_id, grace=config.lease_seconds)
+    run, send = request_cancel(store, task_id, grace=config.lease_seconds)
     if run is None:
         raise RunNotFound(f"no run with task id {task_id} is recorded, so there is nothing to "
                           "cancel; check the id.", task_id=task_id)
@@ -49,7 +50,7 @@ def retry_run(task_id: str, *, from_step: str | None = None, app: Any = None) ->
     """
     app, config = app_and_config(app)
     store = store_for(config)
-    run = store.reset_for_retry(task_id, from_step=from_step, grace=config.lease_seconds,
+    run = reset_for_retry(store, task_id, from_step=from_step, grace=config.lease_seconds,
                                 compensation_prefix=COMPENSATION_PREFIX)
     send_run(app, run)
     logger.info("task %s sent again%s", task_id, f" from step {from_step!r}" if from_step else "")

@@ -32,7 +32,7 @@ from sqlalchemy import (
 )
 
 from ._config import Config
-from ._db import LIKE_ESCAPE, Database, like_literal
+from ._db import LIKE_ESCAPE, like_literal
 from ._lease import machine_id
 from ._records import (
     BODY_BREAK,
@@ -64,14 +64,9 @@ from ._records import (
     StepRecord,
     StepStatus,
     WaitKind,
-    as_utc,
-    from_columns,
     utc_now,
 )
-from .errors import (
-    RunNotFound,
-    RunStateError,
-)
+from ._waits_store import WaitStatements
 
 logger = logging.getLogger("celery_duraflow.store")
 
@@ -113,7 +108,7 @@ __all__ = [
 ]
 
 
-class Store(Database):
+class Store(WaitStatements):
     """The statements an attempt, a wait and the sweep issue, for one configuration.
 
     The engine, connections, schema and error mapping are :class:`Database`'s.
@@ -331,18 +326,6 @@ class Store(Database):
         with self._write(f"recording the run as {status}", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
 
-    def close_waits(self, task_id: str, owner: str, why: str) -> int:
-        """Mark the waits a run left unended as failed (it ended without them)."""
-        steps, runs = self.tables.steps, self.tables.runs
-        stmt = (
-            update(steps)
-            .where(steps.c.task_id == task_id, steps.c.status == STEP_WAITING,
-                   exists().where(runs.c.task_id == task_id, runs.c.lease_owner == owner))
-            .values(status=STEP_FAILED, error=why, completed_at=utc_now())
-        )
-        with self._write("closing the run's waits", task_id) as conn:
-            return int(conn.execute(stmt).rowcount or 0)
-
     def begin_unwinding(self, task_id: str, owner: str, reason: str,
                         error: str | None) -> bool:
         """Record, before the first compensation runs, that this run is being unwound.
@@ -359,43 +342,6 @@ class Store(Database):
         )
         with self._write("recording that the run is being unwound", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
-
-    def request_cancel(self, task_id: str, *, grace: float) -> tuple[RunRecord | None, bool]:
-        """Ask an unfinished run to stop; return it (None if unknown) and whether to send it.
-
-        A sleeping or waiting run is made runnable at once (the caller sends
-        it), so that its cancellation and compensations happen now; a running
-        run stops at its next step boundary; a run that already ended is
-        returned unchanged.
-        """
-        runs = self.tables.runs
-        now = utc_now()
-        ask = (
-            update(runs)
-            .where(runs.c.task_id == task_id, runs.c.status.not_in(FINISHED))
-            .values(unwinding=case((runs.c.unwinding == "failure", runs.c.unwinding),
-                                   else_=literal("cancel")), updated_at=now)
-            .returning(*runs.c)
-        )
-        wake = (
-            update(runs)
-            .where(runs.c.task_id == task_id, runs.c.status.in_((SLEEPING, WAITING)))
-            .values(status=RUNNING, lease_owner=None,
-                    lease_expires_at=now + timedelta(seconds=grace), updated_at=now,
-                    wait_kind=None, waiting_for=None, wake_at=None)
-            .returning(*runs.c)
-        )
-        self.ensure_schema(task_id)
-        with self._unavailable("cancelling the run", task_id), \
-                self._transactional().begin() as conn:
-            row = conn.execute(ask).first()
-            if row is None:
-                found = conn.execute(select(runs).where(runs.c.task_id == task_id)).first()
-                return (RunRecord.from_row(found) if found is not None else None), False
-            woken = conn.execute(wake).first()
-        if woken is not None:
-            return RunRecord.from_row(woken), True
-        return RunRecord.from_row(row), False
 
     def release_lease(self, task_id: str, owner: str, *,
                       recover_after: float | None) -> bool:
@@ -513,205 +459,6 @@ class Store(Database):
         with self._write("recording that the run cannot be sent", run.task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
 
-    def reset_for_retry(self, task_id: str, *, from_step: str | None, grace: float,
-                        compensation_prefix: str) -> RunRecord:
-        """Make an ended run runnable again under its task id, in one transaction.
-
-        With ``from_step``, the recorded outcome of that step, of the steps
-        nested in it and of every step that started after it is discarded, so
-        they run again. Refused for a run that has not ended, and for a run
-        whose steps were undone by compensations unless ``from_step`` is given
-        (their recorded outputs describe effects that no longer exist).
-        """
-        runs, steps = self.tables.runs, self.tables.steps
-        now = utc_now()
-        self.ensure_schema(task_id)
-        with self._unavailable("resetting the run for a retry", task_id), \
-                self._transactional().begin() as conn:
-            # A pruned run is gone for this purpose: its steps cannot be replayed.
-            query = select(runs).where(runs.c.task_id == task_id, runs.c.pruned_at.is_(None))
-            if self.dialect == "postgresql":
-                query = query.with_for_update()
-            row = conn.execute(query).first()
-            if row is None:
-                raise RunNotFound(f"no run with task id {task_id} is recorded; check the id.",
-                                  task_id=task_id)
-            run = RunRecord.from_row(row)
-            if run.status not in FINISHED or run.unwinding is not None:
-                raise RunStateError(
-                    f"run {task_id} is {run.status}, so it cannot be retried: only a run "
-                    "that has ended (failed, compensated, cancelled, ignored, rejected or "
-                    "succeeded) can. Cancel it first if it must stop.", task_id=task_id)
-            if run.status == REPLACED:
-                replacement = run.replaced_by or "a plain task, not recorded"
-                raise RunStateError(
-                    f"run {task_id} was replaced (Task.replace): its work went on in its "
-                    "replacement, whose run is recorded under the task id with ~r and the "
-                    f"replacement's nesting appended (the first: {replacement}). Retry that run "
-                    "instead.", task_id=task_id)
-            undone_keys = [row[0].removeprefix(compensation_prefix) for row in conn.execute(
-                select(steps.c.step_key).where(
-                    steps.c.task_id == task_id,
-                    steps.c.step_key.like(f"{like_literal(compensation_prefix)}%",
-                                          escape=LIKE_ESCAPE),
-                    steps.c.status == STEP_COMPLETED))]
-            undone = len(undone_keys)
-            if undone and from_step is None:
-                raise RunStateError(
-                    f"run {task_id} was compensated: {undone} of its steps were undone, so "
-                    "replaying their recorded outputs would act on effects that no longer "
-                    "exist. Retry it from the first step that must run again (--from-step "
-                    "KEY), or send the work again under a new task id.", task_id=task_id)
-            if from_step is not None:
-                chosen = conn.execute(select(steps).where(
-                    steps.c.task_id == task_id, steps.c.step_key == from_step)).first()
-                if chosen is None:
-                    raise RunStateError(
-                        f"run {task_id} has no step {from_step!r}; `celery -A proj duraflow "
-                        f"show {task_id}` lists its steps.", task_id=task_id,
-                        step_key=from_step)
-                if undone_keys:
-                    # Every undone step must run again: start no later than the first one.
-                    first = conn.execute(
-                        select(steps.c.step_key, steps.c.started_at)
-                        .where(steps.c.task_id == task_id, steps.c.step_key.in_(undone_keys))
-                        .order_by(steps.c.started_at).limit(1)).first()
-                    chosen_at, first_at = as_utc(chosen._mapping["started_at"]), (
-                        as_utc(first[1]) if first is not None else None)
-                    if first is not None and chosen_at and first_at and chosen_at > first_at:
-                        raise RunStateError(
-                            f"run {task_id} was compensated: step {first[0]!r} was undone, "
-                            f"and it comes before {from_step!r}, so a retry from there would "
-                            f"replay its recorded output. Retry from {first[0]!r} or an "
-                            "earlier step.", task_id=task_id, step_key=from_step)
-                # The steps around it failed with it (for good, if it did): they run again.
-                parts = from_step.split("/")
-                ancestors = ["/".join(parts[:n]) for n in range(1, len(parts))]
-                if ancestors:
-                    conn.execute(update(steps).where(
-                        steps.c.task_id == task_id, steps.c.step_key.in_(ancestors),
-                        steps.c.status != STEP_COMPLETED).values(body_exit=None))
-                conn.execute(steps.delete().where(
-                    steps.c.task_id == task_id,
-                    or_(steps.c.step_key == from_step,
-                        steps.c.step_key.like(like_literal(from_step) + "/%",
-                                              escape=LIKE_ESCAPE),
-                        steps.c.started_at >= chosen._mapping["started_at"])))
-            # Undo records belong to the ending that is being retried.
-            conn.execute(steps.delete().where(
-                steps.c.task_id == task_id,
-                steps.c.step_key.like(f"{like_literal(compensation_prefix)}%",
-                                      escape=LIKE_ESCAPE)))
-            updated = conn.execute(
-                update(runs).where(runs.c.task_id == task_id)
-                .values(status=RUNNING, result=None, serializer=None, error=None,
-                        finished_at=None, updated_at=now, lease_owner=None,
-                        lease_expires_at=now + timedelta(seconds=grace), retries=0,
-                        unwinding=None, interrupted=False)
-                .returning(*runs.c)).one()
-        return RunRecord.from_row(updated)
-
-    # -- waits ---------------------------------------------------------------------------
-
-    def suspend(self, task_id: str, owner: str, *, status: str, kind: str, waiting_for: str,
-                wake_at: datetime | None, sweep_at: datetime | None) -> bool:
-        """End this attempt without ending the run: it sleeps or waits, holding no lease.
-
-        The sweep sends the run again at ``sweep_at`` (None: never by time).
-        A signal wait is not suspended if its signal is already stored, nor a
-        child wait if the child already finished: the check is in the same
-        statement, so a signal or child end that lands at the same moment
-        either is seen here or finds the run waiting and wakes it. False means
-        the run was not suspended (that, or this owner lost the lease).
-        """
-        runs = self.tables.runs
-        signals = self.tables.signals
-        child = runs.alias("child")
-        now = utc_now()
-        condition = [runs.c.task_id == task_id, runs.c.lease_owner == owner]
-        if kind == "signal":
-            condition.append(~exists().where(signals.c.task_id == task_id,
-                                             signals.c.name == waiting_for))
-        elif kind == "child":
-            condition.append(~exists().where(child.c.task_id == waiting_for,
-                                             child.c.status.in_(FINISHED)))
-        stmt = (
-            update(runs)
-            .where(*condition)
-            .values(status=status, wait_kind=kind, waiting_for=waiting_for, wake_at=wake_at,
-                    lease_owner=None, lease_expires_at=sweep_at, updated_at=now,
-                    interrupted=False)
-        )
-        with self._write(f"recording that the run is {status}", task_id) as conn:
-            return bool(conn.execute(stmt).rowcount)
-
-    def wake(self, task_id: str, *, kind: str, waiting_for: str, grace: float) -> RunRecord | None:
-        """Make a run that waits for exactly this runnable again; None if it does not.
-
-        The caller then sends the run. Until the delivery takes it, the run is
-        running with no owner and a short expiry, so if the message is lost
-        the sweep sends it again.
-        """
-        runs = self.tables.runs
-        now = utc_now()
-        stmt = (
-            update(runs)
-            .where(runs.c.task_id == task_id, runs.c.status == WAITING,
-                   runs.c.wait_kind == kind, runs.c.waiting_for == waiting_for)
-            .values(status=RUNNING, lease_owner=None,
-                    lease_expires_at=now + timedelta(seconds=grace), updated_at=now,
-                    wait_kind=None, waiting_for=None, wake_at=None)
-            .returning(*runs.c)
-        )
-        with self._write("waking the run", task_id) as conn:
-            row = conn.execute(stmt).first()
-        return RunRecord.from_row(row) if row is not None else None
-
-    def put_signal(self, task_id: str, name: str, payload: str | None,
-                   serializer: str | None) -> bool:
-        """Store a signal unless one of that name is stored already; True if this one was."""
-        signals = self.tables.signals
-        stmt = (
-            self._insert(signals)
-            .values(task_id=task_id, name=name, payload=payload, serializer=serializer,
-                    sent_at=utc_now())
-            .on_conflict_do_nothing(index_elements=[signals.c.task_id, signals.c.name])
-            .returning(signals.c.task_id)
-        )
-        with self._write("storing a signal", task_id, name) as conn:
-            return conn.execute(stmt).first() is not None
-
-    def get_signal(self, task_id: str, name: str) -> SignalRecord | None:
-        signals = self.tables.signals
-        stmt = select(signals).where(signals.c.task_id == task_id, signals.c.name == name)
-        with self._read("reading a signal", task_id, name) as conn:
-            row = conn.execute(stmt).first()
-        return from_columns(SignalRecord, row._mapping) if row is not None else None
-
-    def create_child_run(self, child_id: str, *, task_name: str, parent_id: str,
-                         args: str | None, exchange: str | None,
-                         routing_key: str | None) -> bool:
-        """Record a child run before its message is sent; False if it exists already.
-
-        The row is running, with no owner and an expiry one lease away: if the
-        message never arrives (the parent died before sending it, or the
-        broker lost it), the sweep sends the child from what is stored here.
-        """
-        runs = self.tables.runs
-        now = utc_now()
-        stmt = (
-            self._insert(runs)
-            .values(task_id=child_id, task_name=task_name, status=RUNNING, attempts=0,
-                    created_at=now, updated_at=now, args=args, exchange=exchange,
-                    routing_key=routing_key, retries=0, recoveries=0, interrupted=False,
-                    parent_id=parent_id,
-                    lease_expires_at=now + timedelta(seconds=self.config.lease_seconds))
-            .on_conflict_do_nothing(index_elements=[runs.c.task_id])
-            .returning(runs.c.task_id)
-        )
-        with self._write("recording a child run", parent_id) as conn:
-            return conn.execute(stmt).first() is not None
-
     def get_run(self, task_id: str) -> RunRecord | None:
         """The run's row; None if there is none, or only the tombstone prune left."""
         runs = self.tables.runs
@@ -719,32 +466,6 @@ class Store(Database):
             row = conn.execute(select(runs).where(runs.c.task_id == task_id,
                                                   runs.c.pruned_at.is_(None))).first()
         return RunRecord.from_row(row) if row is not None else None
-
-    def patch_status(self, marker: str, task_name: str | None = None,
-                     limit: int = 100) -> tuple[datetime | None, int, list[RunRecord]]:
-        """For a ``patched()`` marker key: when it was first recorded, by how many runs, and
-        the unfinished runs that started before that and have not recorded it (they may
-        still take the old branch)."""
-        runs, steps = self.tables.runs, self.tables.steps
-        escaped = like_literal(marker)
-        matches = or_(steps.c.step_key == marker,
-                      steps.c.step_key.like(f"{escaped}#%", escape=LIKE_ESCAPE),
-                      steps.c.step_key.like(f"%/{escaped}", escape=LIKE_ESCAPE),
-                      steps.c.step_key.like(f"%/{escaped}#%", escape=LIKE_ESCAPE))
-        first_and_count = select(func.min(steps.c.started_at),
-                                 func.count(steps.c.task_id.distinct())).where(matches)
-        with self._read("reading a patch marker") as conn:
-            first, count = conn.execute(first_and_count).one()
-            first = as_utc(first)
-            conditions = [runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
-                          ~exists().where(steps.c.task_id == runs.c.task_id, matches)]
-            if first is not None:
-                conditions.append(runs.c.created_at < first)
-            if task_name is not None:
-                conditions.append(runs.c.task_name == task_name)
-            stmt = (select(runs).where(*conditions).order_by(runs.c.created_at).limit(limit))
-            old = [RunRecord.from_row(row) for row in conn.execute(stmt)]
-        return first, int(count or 0), old
 
     # -- steps ---------------------------------------------------------------------------
 

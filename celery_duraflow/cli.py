@@ -164,7 +164,7 @@ def patch(ctx: click.Context, name: str, task_name: str | None, limit: int) -> N
     """
     try:
         store = store_for(config_for_app(ctx.obj.app))
-        first, count, old = store.patch_status(MARKER_PREFIX + name, task_name, limit)
+        first, count, old = _admin.patch_status(store, MARKER_PREFIX + name, task_name, limit)
     except DuraflowError as exc:
         _fail(str(exc))
     if first is None:

@@ -1,0 +1,141 @@
+"""The statements of waits: suspending a run, waking it, signals and child runs.
+
+A wait is a step row in status ``waiting``; the run row says what it waits for
+(``wait_kind``, ``waiting_for``, ``wake_at``). Suspending, and the checks for a
+signal or a child's end that arrived meanwhile, are one statement, so nothing that
+arrives at that moment is lost.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from sqlalchemy import exists, select, update
+
+from ._db import Database
+from ._records import (
+    FINISHED,
+    RUNNING,
+    STEP_FAILED,
+    STEP_WAITING,
+    WAITING,
+    RunRecord,
+    SignalRecord,
+    from_columns,
+    utc_now,
+)
+
+
+class WaitStatements(Database):
+    """Suspend and wake runs; store and read signals; record child runs."""
+
+    def suspend(self, task_id: str, owner: str, *, status: str, kind: str, waiting_for: str,
+                wake_at: datetime | None, sweep_at: datetime | None) -> bool:
+        """End this attempt without ending the run: it sleeps or waits, holding no lease.
+
+        The sweep sends the run again at ``sweep_at`` (None: never by time).
+        A signal wait is not suspended if its signal is already stored, nor a
+        child wait if the child already finished: the check is in the same
+        statement, so a signal or child end that lands at the same moment
+        either is seen here or finds the run waiting and wakes it. False means
+        the run was not suspended (that, or this owner lost the lease).
+        """
+        runs = self.tables.runs
+        signals = self.tables.signals
+        child = runs.alias("child")
+        now = utc_now()
+        condition = [runs.c.task_id == task_id, runs.c.lease_owner == owner]
+        if kind == "signal":
+            condition.append(~exists().where(signals.c.task_id == task_id,
+                                             signals.c.name == waiting_for))
+        elif kind == "child":
+            condition.append(~exists().where(child.c.task_id == waiting_for,
+                                             child.c.status.in_(FINISHED)))
+        stmt = (
+            update(runs)
+            .where(*condition)
+            .values(status=status, wait_kind=kind, waiting_for=waiting_for, wake_at=wake_at,
+                    lease_owner=None, lease_expires_at=sweep_at, updated_at=now,
+                    interrupted=False)
+        )
+        with self._write(f"recording that the run is {status}", task_id) as conn:
+            return bool(conn.execute(stmt).rowcount)
+
+    def wake(self, task_id: str, *, kind: str, waiting_for: str, grace: float) -> RunRecord | None:
+        """Make a run that waits for exactly this runnable again; None if it does not.
+
+        The caller then sends the run. Until the delivery takes it, the run is
+        running with no owner and a short expiry, so if the message is lost
+        the sweep sends it again.
+        """
+        runs = self.tables.runs
+        now = utc_now()
+        stmt = (
+            update(runs)
+            .where(runs.c.task_id == task_id, runs.c.status == WAITING,
+                   runs.c.wait_kind == kind, runs.c.waiting_for == waiting_for)
+            .values(status=RUNNING, lease_owner=None,
+                    lease_expires_at=now + timedelta(seconds=grace), updated_at=now,
+                    wait_kind=None, waiting_for=None, wake_at=None)
+            .returning(*runs.c)
+        )
+        with self._write("waking the run", task_id) as conn:
+            row = conn.execute(stmt).first()
+        return RunRecord.from_row(row) if row is not None else None
+
+    def put_signal(self, task_id: str, name: str, payload: str | None,
+                   serializer: str | None) -> bool:
+        """Store a signal unless one of that name is stored already; True if this one was."""
+        signals = self.tables.signals
+        stmt = (
+            self._insert(signals)
+            .values(task_id=task_id, name=name, payload=payload, serializer=serializer,
+                    sent_at=utc_now())
+            .on_conflict_do_nothing(index_elements=[signals.c.task_id, signals.c.name])
+            .returning(signals.c.task_id)
+        )
+        with self._write("storing a signal", task_id, name) as conn:
+            return conn.execute(stmt).first() is not None
+
+    def get_signal(self, task_id: str, name: str) -> SignalRecord | None:
+        signals = self.tables.signals
+        stmt = select(signals).where(signals.c.task_id == task_id, signals.c.name == name)
+        with self._read("reading a signal", task_id, name) as conn:
+            row = conn.execute(stmt).first()
+        return from_columns(SignalRecord, row._mapping) if row is not None else None
+
+    def create_child_run(self, child_id: str, *, task_name: str, parent_id: str,
+                         args: str | None, exchange: str | None,
+                         routing_key: str | None) -> bool:
+        """Record a child run before its message is sent; False if it exists already.
+
+        The row is running, with no owner and an expiry one lease away: if the
+        message never arrives (the parent died before sending it, or the
+        broker lost it), the sweep sends the child from what is stored here.
+        """
+        runs = self.tables.runs
+        now = utc_now()
+        stmt = (
+            self._insert(runs)
+            .values(task_id=child_id, task_name=task_name, status=RUNNING, attempts=0,
+                    created_at=now, updated_at=now, args=args, exchange=exchange,
+                    routing_key=routing_key, retries=0, recoveries=0, interrupted=False,
+                    parent_id=parent_id,
+                    lease_expires_at=now + timedelta(seconds=self.config.lease_seconds))
+            .on_conflict_do_nothing(index_elements=[runs.c.task_id])
+            .returning(runs.c.task_id)
+        )
+        with self._write("recording a child run", parent_id) as conn:
+            return conn.execute(stmt).first() is not None
+
+    def close_waits(self, task_id: str, owner: str, why: str) -> int:
+        """Mark the waits a run left unended as failed (it ended without them)."""
+        steps, runs = self.tables.steps, self.tables.runs
+        stmt = (
+            update(steps)
+            .where(steps.c.task_id == task_id, steps.c.status == STEP_WAITING,
+                   exists().where(runs.c.task_id == task_id, runs.c.lease_owner == owner))
+            .values(status=STEP_FAILED, error=why, completed_at=utc_now())
+        )
+        with self._write("closing the run's waits", task_id) as conn:
+            return int(conn.execute(stmt).rowcount or 0)
