@@ -10,9 +10,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError
-
+from ._db import URL, parse_database_url
 from .errors import ConfigurationError
 
 DEFAULT_DATABASE_URL = "sqlite:///duraflow.sqlite3"
@@ -149,36 +147,6 @@ def check_keys(conf: Any, env: Mapping[str, str]) -> None:
                 f"the environment variable {name} is not a celery-duraflow setting."
                 f"{_suggest(key, name)} The variables are {', '.join(known)} and "
                 f"{', '.join(_OTHER_ENVIRONMENT)}.")
-
-
-def parse_database_url(raw: Any, *, key: str = "duraflow_database_url") -> URL:
-    """Parse a SQLAlchemy URL; bare ``postgresql://`` means psycopg 3."""
-    if isinstance(raw, URL):
-        url = raw
-    elif isinstance(raw, str) and raw.strip():
-        try:
-            url = make_url(raw.strip())
-        except ArgumentError as exc:
-            raise ConfigurationError(
-                f"{key} = {raw!r} is not a database URL ({exc}). Use a SQLAlchemy URL such as "
-                "'postgresql+psycopg://user:password@host:5432/dbname' or "
-                "'sqlite:///duraflow.sqlite3'."
-            ) from None
-    else:
-        raise ConfigurationError(
-            f"{key} must be a non-empty string URL, got {raw!r}. Use a SQLAlchemy URL such as "
-            "'postgresql+psycopg://user:password@host:5432/dbname'."
-        )
-    backend = url.get_backend_name()
-    if url.drivername in ("postgresql", "postgres"):
-        # No driver named: psycopg 3, the only Postgres driver we depend on.
-        url = url.set(drivername="postgresql+psycopg")
-    elif backend not in ("postgresql", "sqlite"):
-        raise ConfigurationError(
-            f"{key} uses the {backend!r} database, which celery-duraflow does not support. "
-            "Use PostgreSQL ('postgresql+psycopg://...') or SQLite ('sqlite:///file.sqlite3')."
-        )
-    return url
 
 
 def _as_float(value: Any, key: str, default: float, *, minimum: float) -> float:

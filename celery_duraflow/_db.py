@@ -20,12 +20,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, Select, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import URL, Connection, make_url
 from sqlalchemy.exc import (
+    ArgumentError,
     DBAPIError,
     DisconnectionError,
     InterfaceError,
@@ -36,11 +37,46 @@ from sqlalchemy.exc import (
     TimeoutError as PoolTimeoutError,
 )
 
-from ._config import Config
 from ._schema import LATEST_VERSION, Tables, build_tables, current_version, migrate
 from .errors import ConfigurationError, StoreMisconfigured, StoreUnavailable
 
+if TYPE_CHECKING:
+    from ._config import Config
+
 logger = logging.getLogger("celery_duraflow.store")
+
+# The parsed form of duraflow_database_url (SQLAlchemy's URL), for the configuration.
+__all__ = ["LIKE_ESCAPE", "URL", "Database", "like_literal", "parse_database_url"]
+
+
+def parse_database_url(raw: Any, *, key: str = "duraflow_database_url") -> URL:
+    """Parse a SQLAlchemy URL; bare ``postgresql://`` means psycopg 3."""
+    if isinstance(raw, URL):
+        url = raw
+    elif isinstance(raw, str) and raw.strip():
+        try:
+            url = make_url(raw.strip())
+        except ArgumentError as exc:
+            raise ConfigurationError(
+                f"{key} = {raw!r} is not a database URL ({exc}). Use a SQLAlchemy URL such as "
+                "'postgresql+psycopg://user:password@host:5432/dbname' or "
+                "'sqlite:///duraflow.sqlite3'."
+            ) from None
+    else:
+        raise ConfigurationError(
+            f"{key} must be a non-empty string URL, got {raw!r}. Use a SQLAlchemy URL such as "
+            "'postgresql+psycopg://user:password@host:5432/dbname'."
+        )
+    backend = url.get_backend_name()
+    if url.drivername in ("postgresql", "postgres"):
+        # No driver named: psycopg 3, the only Postgres driver we depend on.
+        url = url.set(drivername="postgresql+psycopg")
+    elif backend not in ("postgresql", "sqlite"):
+        raise ConfigurationError(
+            f"{key} uses the {backend!r} database, which celery-duraflow does not support. "
+            "Use PostgreSQL ('postgresql+psycopg://...') or SQLite ('sqlite:///file.sqlite3')."
+        )
+    return url
 
 
 # The escape character of every LIKE pattern built with like_literal().

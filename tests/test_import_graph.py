@@ -263,3 +263,23 @@ def test_the_import_reader_resolves_relative_and_hidden_imports() -> None:
     assert seen == {("y", True), ("z", True), ("w", False)}
     call = ast.parse("importlib.import_module('celery_duraflow.web')").body[0]
     assert isinstance(call, ast.Expr) and _literal_import_call(call.value) == OPTIONAL
+
+
+# The store layer: the only modules that may speak SQLAlchemy (and so write SQL).
+STORE_LAYER = {f"{PACKAGE}.{name}" for name in
+               ("_db", "_records", "_schema", "_store", "_waits_store", "_admin")}
+
+
+def test_only_the_store_layer_imports_sqlalchemy() -> None:
+    """No module outside the store layer (the CLI and the web view included) imports SQLAlchemy."""
+    offenders = []
+    for module, path in sorted(_modules().items()):
+        if module in STORE_LAYER:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom)
+                     and node.level == 0 else [])
+            offenders += [f"{path.relative_to(REPO_ROOT)}:{node.lineno} {name}"
+                          for name in names if name.split(".")[0] == "sqlalchemy"]
+    assert offenders == [], "\n".join(offenders)
