@@ -27,6 +27,7 @@ from ._store import (
     STEP_COMPLETED,
     STEP_FAILED,
     RunRecord,
+    RunStatus,
 )
 from .errors import LeaseLost
 from .signals import run_unwound
@@ -44,7 +45,7 @@ def _error_text(exc: BaseException) -> str:
     return text if len(text) <= 2000 else text[:1997] + "..."
 
 
-def unwind(ctx: RunContext, run: RunRecord, reason: str, error: str | None) -> str:
+def unwind(ctx: RunContext, run: RunRecord, reason: str, error: str | None) -> RunStatus:
     """Run the registered compensations in reverse order and end the run; its final status.
 
     ``reason`` is ``"cancel"`` or ``"failure"``; ``error`` what made the run
@@ -68,6 +69,7 @@ def unwind(ctx: RunContext, run: RunRecord, reason: str, error: str | None) -> s
         if problem is not None:
             failures.append(problem)
     final_error: str | None
+    status: RunStatus
     if failures:
         status = FAILED
         final_error = "; ".join([*([error] if error else []), *failures])

@@ -67,7 +67,7 @@ class RunRecord:
 
     task_id: str
     task_name: str
-    status: str
+    status: RunStatus
     attempts: int
     result: str | None
     serializer: str | None
@@ -84,7 +84,7 @@ class RunRecord:
     retries: int = 0
     recoveries: int = 0
     interrupted: bool = False
-    wait_kind: str | None = None
+    wait_kind: WaitKind | None = None
     waiting_for: str | None = None
     wake_at: datetime | None = None
     parent_id: str | None = None
@@ -121,7 +121,7 @@ class StepRecord:
 
     task_id: str
     key: str
-    status: str
+    status: StepStatus
     attempts: int
     output: str | None
     serializer: str | None
@@ -131,7 +131,7 @@ class StepRecord:
     position: int | None = None
     input_fingerprint: str | None = None
     code_fingerprint: str | None = None
-    body_exit: str | None = None
+    body_exit: BodyExit | None = None
     returned: str | None = None
 
     @classmethod

@@ -233,7 +233,7 @@ class Store(WaitStatements):
             row = conn.execute(stmt).first()
         return RunRecord.from_row(row) if row is not None else None
 
-    def finish_run(self, task_id: str, owner: str, status: str, *, result: str | None = None,
+    def finish_run(self, task_id: str, owner: str, status: RunStatus, *, result: str | None = None,
                    serializer: str | None = None, error: str | None = None) -> bool:
         """Record the end of a run and drop its lease; False if this owner lost the lease."""
         runs = self.tables.runs
@@ -300,7 +300,7 @@ class Store(WaitStatements):
         with self._write("recording that the task was replaced", run_key) as conn:
             conn.execute(stmt)
 
-    def end_lost_attempt(self, task_id: str, *, pid: int | None, status: str,
+    def end_lost_attempt(self, task_id: str, *, pid: int | None, status: RunStatus,
                          error: str) -> bool:
         """End, as Celery ended it, a run whose attempt the worker killed (a hard time
         limit) or lost (``WorkerLostError`` that Celery does not redeliver).
@@ -622,7 +622,7 @@ class Store(WaitStatements):
             row = conn.execute(stmt, params).first()
         return StepRecord.from_row(row) if row is not None else None
 
-    def record_step(self, task_id: str, step_key: str, owner: str, *, status: str,
+    def record_step(self, task_id: str, step_key: str, owner: str, *, status: StepStatus,
                     started_at: datetime, output: str | None = None,
                     serializer: str | None = None, error: str | None = None,
                     claimed: bool = False, new: bool = False,

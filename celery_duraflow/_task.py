@@ -41,6 +41,7 @@ from ._store import (
     SUCCEEDED,
     Delivery,
     RunRecord,
+    RunStatus,
     StepRecord,
     Store,
     store_for,
@@ -334,7 +335,8 @@ class DurableTask(Task):  # type: ignore[misc]
             return self.run(*args, **kwargs)
         return super().__call__(*args, **kwargs)
 
-    def _end(self, ctx: RunContext, run: RunRecord, status: str, error: str | None) -> None:
+    def _end(self, ctx: RunContext, run: RunRecord, status: RunStatus,
+             error: str | None) -> None:
         """End the run with ``status`` as Celery ended the task (Ignore, Reject, replace)."""
         try:
             ended = ctx.store.finish_run(ctx.task_id, ctx.owner, status, error=error)

@@ -39,7 +39,10 @@ from ._store import (
     SUCCEEDED,
     WAITING,
     RunRecord,
+    RunStatus,
     StepRecord,
+    StepStatus,
+    WaitKind,
     store_for,
 )
 from ._task import DurableTask
@@ -68,7 +71,7 @@ def child_task_id(parent_id: str, key: str) -> str:
 class _Wait:
     """The bookkeeping every kind of wait shares: its key, its row, its outcome."""
 
-    def __init__(self, kind: str, name: str) -> None:
+    def __init__(self, kind: WaitKind, name: str) -> None:
         ctx = current_run.get()
         check_name(name, ctx)
         if ctx is None:
@@ -114,7 +117,7 @@ class _Wait:
         moment = raw if isinstance(raw, datetime) else datetime.fromisoformat(str(raw))
         return moment if moment.tzinfo else moment.replace(tzinfo=UTC)
 
-    def write(self, status: str, output: dict[str, Any]) -> None:
+    def write(self, status: StepStatus, output: dict[str, Any]) -> None:
         ctx = self.ctx
         try:
             data = ctx.serializer.dumps(output)
@@ -144,7 +147,7 @@ class _Wait:
             step_key=self.key,
         )
 
-    def suspend(self, status: str, waiting_for: str, wake_at: datetime | None) -> bool:
+    def suspend(self, status: RunStatus, waiting_for: str, wake_at: datetime | None) -> bool:
         """End the attempt here (raises Suspended), unless the wait is over meanwhile (False)."""
         ctx = self.ctx
         countdown: float | None = None

@@ -20,7 +20,9 @@ from ._records import (
     STEP_WAITING,
     WAITING,
     RunRecord,
+    RunStatus,
     SignalRecord,
+    WaitKind,
     from_columns,
     utc_now,
 )
@@ -29,8 +31,8 @@ from ._records import (
 class WaitStatements(Database):
     """Suspend and wake runs; store and read signals; record child runs."""
 
-    def suspend(self, task_id: str, owner: str, *, status: str, kind: str, waiting_for: str,
-                wake_at: datetime | None, sweep_at: datetime | None) -> bool:
+    def suspend(self, task_id: str, owner: str, *, status: RunStatus, kind: WaitKind,
+                waiting_for: str, wake_at: datetime | None, sweep_at: datetime | None) -> bool:
         """End this attempt without ending the run: it sleeps or waits, holding no lease.
 
         The sweep sends the run again at ``sweep_at`` (None: never by time).
@@ -61,7 +63,8 @@ class WaitStatements(Database):
         with self._write(f"recording that the run is {status}", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
 
-    def wake(self, task_id: str, *, kind: str, waiting_for: str, grace: float) -> RunRecord | None:
+    def wake(self, task_id: str, *, kind: WaitKind, waiting_for: str,
+             grace: float) -> RunRecord | None:
         """Make a run that waits for exactly this runnable again; None if it does not.
 
         The caller then sends the run. Until the delivery takes it, the run is
