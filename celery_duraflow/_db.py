@@ -176,6 +176,17 @@ class Database:
         self.config = config
         self.tables: Tables = build_tables(config.table_prefix)
         self.dialect: str = config.database_url.get_backend_name()
+        # What the statements may rely on, decided here once from the dialect rather than
+        # in each statement. PostgreSQL (psycopg) can run a data-modifying statement
+        # inside a CTE, so an attempt takes its run and reads its steps in one round
+        # trip; reports the rows an INSERT ... ON CONFLICT DO NOTHING inserted in its
+        # rowcount; takes the hot path's precompiled statements on the driver's own
+        # connection; and can skip the wait for the WAL flush of one statement.
+        postgres = self.dialect == "postgresql"
+        self.modifying_ctes = postgres
+        self.insert_rowcount = postgres
+        self.driver_statements = postgres
+        self.asynchronous_commit = postgres
         self._engine: Engine | None = None
         self._engine_pid: int | None = None
         self._schema_ready = False

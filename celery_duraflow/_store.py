@@ -159,7 +159,7 @@ class Store(WaitStatements):
             set_={name: case((acquire, value), else_=runs.c[name])
                   for name, value in values.items()},
         ).returning(*runs.c)
-        if self.dialect != "postgresql":
+        if not self.modifying_ctes:
             with self._write("starting an attempt", task_id) as conn:
                 row = conn.execute(stmt).one()
             return RunRecord.from_row(row), None
@@ -480,7 +480,7 @@ class Store(WaitStatements):
         ``set_config(..., true)`` lasts until the end of the statement's own
         transaction, so the session keeps its setting.
         """
-        if self.dialect != "postgresql":
+        if not self.asynchronous_commit:
             return true()
         return select(
             func.set_config("synchronous_commit", "off", true())
@@ -555,9 +555,9 @@ class Store(WaitStatements):
         # upsert is only needed where a failed or claimed row exists.
         insert_new = from_params(ended, fence).on_conflict_do_nothing(
             index_elements=[steps.c.task_id, steps.c.step_key])
-        # PostgreSQL reports the inserted rows in rowcount; elsewhere RETURNING tells.
+        # Where rowcount reports the inserted rows it says; elsewhere RETURNING tells.
         statements["record_new"] = (
-            insert_new if self.dialect == "postgresql" else insert_new.returning(steps.c.task_id))
+            insert_new if self.insert_rowcount else insert_new.returning(steps.c.task_id))
         for name, condition in (("record", fence), ("record_relaxed", and_(fence, relaxed))):
             insert_ = from_params([*ended, "error"], condition)
             excluded = insert_.excluded
@@ -657,7 +657,7 @@ class Store(WaitStatements):
         action = {STEP_COMPLETED: "recording the step output",
                   STEP_WAITING: "recording the wait"}.get(status, "recording the step failure")
         with self._write(action, task_id, step_key) as conn:
-            if self.dialect == "postgresql":
+            if self.driver_statements:
                 sql, defaults = self._compiled_records[name]
                 driver: Any = conn.connection.driver_connection
                 cursor = driver.execute(sql, {**defaults, **params})
