@@ -36,6 +36,7 @@ from ._signals import install_signal_handlers
 from ._store import (
     FAILED,
     IGNORED,
+    NOT_RERUN,
     REJECTED,
     REPLACED,
     SUCCEEDED,
@@ -61,6 +62,8 @@ logger = logging.getLogger("celery_duraflow.task")
 OUTAGE_HEADER = "duraflow_outage"
 # How many leases after a retry was due the sweep waits before re-sending it.
 RETRY_GRACE_LEASES = 10
+# How long a retry that arrives before its predecessor let go of the run waits for it.
+RETRY_HANDOVER_SECONDS = 2.0
 # Celery's own tasks (celery.accumulate, celery.chord_unlock, celery.backend_cleanup...)
 # have no steps. An app-wide task_cls of DurableTask makes them DurableTask subclasses;
 # they run as plain Celery tasks all the same.
@@ -438,10 +441,44 @@ class DurableTask(Task):  # type: ignore[misc]
                 logger.warning("task %s: its previous owner %s is gone; taking the run over",
                                task_id, run.lease_owner)
                 return taken
+        if delivery.retries > run.retries:
+            # Not a duplicate: the retry this run's owner asked for, delivered before that
+            # attempt let go of the lease (Celery sends the retry, then the attempt ends).
+            taken = self._after_predecessor(store, config, run, delivery)
+            if taken is not None:
+                return taken
         # A live attempt owns the run (a duplicate delivery): leave the run to it. If
         # that owner dies, its lease expires and the run is delivered again.
         logger.info("task %s is being run by %s; this duplicate delivery leaves it alone",
                     task_id, run.lease_owner)
+        raise Ignore()
+
+    def _after_predecessor(self, store: Store, config: Config, run: RunRecord,
+                           delivery: Delivery) -> RunRecord | None:
+        """Take the run once the attempt that asked for this retry has released it.
+
+        That attempt ends a moment after Celery sent the retry, so the lease is
+        asked for again for up to RETRY_HANDOVER_SECONDS. If it is still held
+        then, this delivery is sent again a second later (its retry count
+        unchanged, none of max_retries spent) and ends; None if the run could
+        not be taken and no re-send was needed (another delivery took it).
+        """
+        deadline = time.monotonic() + RETRY_HANDOVER_SECONDS
+        while time.monotonic() < deadline:
+            time.sleep(0.02)
+            current, _ = store.begin_attempt(run.task_id, delivery)
+            if current.lease_owner == delivery.owner:
+                return current
+            if current.status in NOT_RERUN or current.retries >= delivery.retries:
+                return None  # finished meanwhile, or this retry is already running
+        logger.info("task %s: the attempt before retry %d still holds the run; this retry is "
+                    "sent again in 1s", run.task_id, delivery.retries)
+        try:
+            self.signature_from_request(self.request, countdown=1).apply_async()
+        except Exception:
+            # The run stays recoverable: the sweep sends it once its lease expires.
+            logger.warning("task %s: could not send retry %d again", run.task_id,
+                           delivery.retries, exc_info=True)
         raise Ignore()
 
     def retry(self, args: Any = None, kwargs: Any = None, exc: Any = None, throw: bool = True,

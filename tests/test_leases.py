@@ -325,3 +325,35 @@ def test_recovery_beat_entry() -> None:
     app = Celery("beat-check", set_as_current=False)
     app.finalize()
     assert "celery_duraflow.recover" in app.tasks
+
+
+def test_retry_delivered_before_its_predecessor_let_go_still_runs(
+        make_app: Callable[..., Celery]) -> None:
+    """A retry that arrives while the attempt that sent it still holds the lease runs once
+    that attempt lets go, instead of being dropped as a duplicate."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+
+    @app.task(base=DurableTask, name="handover.book")
+    def book(n: int) -> int:
+        with step("book") as s:
+            calls["book"] += 1
+            s.result = n
+        return int(s.result)
+
+    store = store_for(config_for_app(app))
+    task_id = str(uuid.uuid4())
+    blob, fingerprint = encode_arguments((7,), {}, get_serializer("json"))
+    predecessor = new_owner()  # an attempt of this (live) process, still ending
+    store.begin_attempt(task_id, Delivery(task_name="handover.book", owner=predecessor,
+                                          args=blob, args_fingerprint=fingerprint,
+                                          retries=0))
+    releaser = threading.Timer(0.3, store.release_lease, args=(task_id, predecessor),
+                               kwargs={"recover_after": 300.0})
+    releaser.start()
+    try:
+        result = book.apply(args=(7,), task_id=task_id, retries=1)
+    finally:
+        releaser.join()
+    assert result.get() == 7
+    assert calls == {"book": 1}
