@@ -31,7 +31,6 @@ import types
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._fingerprint import code_fingerprint as code_fingerprint  # where older code looked for it
 from ._fingerprint import fingerprint_nodes, parse_source
 from ._step import BROKE, CONTINUED, FELL, GUARD_NAME, LEAVE_NAME, RETURNED, guard, leave
 from .errors import UnsupportedCode

@@ -377,7 +377,7 @@ def test_code_fingerprints_ignore_layout_and_comments() -> None:
     """Code fingerprints ignore layout and comments but change with the code; builtins have none."""
     import ast
 
-    from celery_duraflow._rewrite import code_fingerprint, fingerprint_nodes
+    from celery_duraflow._fingerprint import code_fingerprint, fingerprint_nodes
 
     def fp(source: str) -> str:
         return fingerprint_nodes(ast.parse(source).body)
