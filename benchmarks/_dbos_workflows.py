@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from dbos import DBOS
+from dbos import DBOS  # type: ignore[import-not-found, unused-ignore]
 
 from . import workload
 

@@ -7,6 +7,8 @@ takes its baseline in the same process and the same run as what it compares.
 from __future__ import annotations
 
 import os
+import re
+import sqlite3
 import statistics
 import sys
 import tempfile
@@ -17,6 +19,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import IO, Any
 
 import psycopg
@@ -32,9 +35,11 @@ from . import workload
 
 DEFAULT_DATABASE_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/9"
+DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
 DURABLE_TASK_NAME = "bench.durable_steps"
 PLAIN_TASK_NAME = "bench.plain_steps"
+HANDWRITTEN_TASK_NAME = "bench.handwritten_steps"
 RSS_TASK_NAME = "bench.rss"
 
 
@@ -46,6 +51,14 @@ def default_database_url() -> str:
 def default_broker_url() -> str:
     return (os.environ.get("DURAFLOW_BENCH_BROKER_URL")
             or os.environ.get("DURAFLOW_TEST_BROKER_URL") or DEFAULT_BROKER_URL)
+
+
+def default_rabbitmq_url() -> str:
+    return os.environ.get("DURAFLOW_BENCH_RABBITMQ_URL") or DEFAULT_RABBITMQ_URL
+
+
+def is_postgres(sqlalchemy_url: str) -> bool:
+    return make_url(sqlalchemy_url).get_backend_name() == "postgresql"
 
 
 def libpq_url(sqlalchemy_url: str) -> str:
@@ -98,9 +111,23 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def cpu_timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds of this thread (``time.thread_time``) of one call.
+
+    Thread time: the eagerly applied task runs in this thread, and whatever other
+    threads of the process do meanwhile (none of it is the call's) is left out.
+    """
+    cpu = time.thread_time()
+    start = time.perf_counter()
+    fn()
+    wall = time.perf_counter() - start
+    return wall, time.thread_time() - cpu
+
+
 def interleaved(variants: dict[str, Callable[[], object]], per_round: dict[str, int],
                 rounds: int, warmup: int,
-                bursts: dict[str, int] | None = None) -> dict[str, Samples]:
+                bursts: dict[str, int] | None = None,
+                cpu: dict[str, Samples] | None = None) -> dict[str, Samples]:
     """Time each variant ``per_round[name]`` times per round, the variants taking turns.
 
     Within a round the calls are spread evenly, one at a time (or in bursts of
@@ -109,6 +136,8 @@ def interleaved(variants: dict[str, Callable[[], object]], per_round: dict[str, 
     variant alike instead of whichever ran in the slow spell. The floor INSERT runs in
     bursts: back to back is its best case, and a step's write is always preceded by
     the same connection's previous statement.
+
+    With ``cpu`` (a dict, filled here), each call's CPU time in this thread is kept too.
     """
     for fn in variants.values():
         for _ in range(warmup):
@@ -122,11 +151,18 @@ def interleaved(variants: dict[str, Callable[[], object]], per_round: dict[str, 
             schedule.append(((i + 0.5) / units, name, min(size, count - i * size)))
     schedule.sort()
     samples = {name: Samples() for name in variants}
+    if cpu is not None:
+        cpu.update({name: Samples() for name in variants})
     for _ in range(rounds):
         for _, name, size in schedule:
             fn = variants[name]
             for _ in range(size):
-                samples[name].add(timed(fn))
+                if cpu is None:
+                    samples[name].add(timed(fn))
+                else:
+                    wall, used = cpu_timed(fn)
+                    samples[name].add(wall)
+                    cpu[name].add(used)
     return samples
 
 
@@ -192,6 +228,89 @@ class Floor:
             self.conn.close()
 
 
+class SqliteFloor:
+    """The floor on SQLite: ``BEGIN IMMEDIATE; INSERT one row; COMMIT`` on a raw connection.
+
+    A ``sqlite3`` connection with ``isolation_level=None`` (no implicit transactions) and
+    the settings the library gives its own connections (``celery_duraflow._db``): WAL
+    journal, ``synchronous=NORMAL``, a busy timeout, foreign keys; the transaction opened
+    the way the library opens its own, with ``BEGIN IMMEDIATE``.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.conn.execute("PRAGMA busy_timeout=30000")
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.execute("PRAGMA foreign_keys=ON")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn.execute("CREATE TABLE IF NOT EXISTS floor "
+                          "(id INTEGER PRIMARY KEY, a INTEGER NOT NULL, b TEXT NOT NULL)")
+        self.settings = sqlite_settings(self.conn)
+        self._i = 0
+
+    def insert(self) -> None:
+        self._i += 1
+        execute = self.conn.execute
+        execute("BEGIN IMMEDIATE")
+        execute("INSERT INTO floor (a, b) VALUES (?, ?)", (self._i, "x"))
+        execute("COMMIT")
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def sqlite_settings(conn: Any) -> str:
+    """journal_mode, synchronous and busy_timeout of a sqlite3 connection, for the output."""
+    values = []
+    for name in ("journal_mode", "synchronous", "busy_timeout"):
+        row = conn.execute(f"PRAGMA {name}").fetchone()
+        values.append(f"{name}={row[0] if row else '?'}")
+    return ", ".join(values)
+
+
+class SqliteStatements:
+    """Every statement SQLite runs for this thread on an engine's connections.
+
+    ``sqlite3.Connection.set_trace_callback`` on each connection while it is checked out
+    of the engine's pool (the ``checkout`` event, rather than ``connect``: the store's
+    connections may already be open when counting starts). The callback sees what the
+    library sends through SQLAlchemy and what it sends to the driver itself, ``BEGIN
+    IMMEDIATE`` included.
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.statements: list[str] = []
+        self._me = threading.get_ident()
+
+    def _seen(self, statement: str) -> None:
+        if threading.get_ident() == self._me:
+            self.statements.append(statement)
+
+    def _on_checkout(self, dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+        dbapi_conn.set_trace_callback(self._seen)
+
+    def _on_checkin(self, dbapi_conn: Any, _record: Any) -> None:
+        if dbapi_conn is not None:
+            dbapi_conn.set_trace_callback(None)
+
+    @contextmanager
+    def counting(self) -> Iterator[SqliteStatements]:
+        self._me = threading.get_ident()
+        event.listen(self.engine.pool, "checkout", self._on_checkout)
+        event.listen(self.engine.pool, "checkin", self._on_checkin)
+        try:
+            yield self
+        finally:
+            event.remove(self.engine.pool, "checkout", self._on_checkout)
+            event.remove(self.engine.pool, "checkin", self._on_checkin)
+
+    def count(self, keyword: str) -> int:
+        """Statements that start with ``keyword`` (``BEGIN``, ``COMMIT``, ...)."""
+        return sum(1 for s in self.statements if s.lstrip().upper().startswith(keyword))
+
+
 # -- counting round trips --------------------------------------------------------------------
 
 
@@ -212,9 +331,13 @@ class RoundTrips:
     the time spent waiting on the server (network, execution, commit), without Python.
     """
 
-    def __init__(self, engine: Engine, *, timed: bool = False) -> None:
+    def __init__(self, engine: Engine, *, timed: bool = False, keep: bool = False) -> None:
         self.engine = engine
         self.timed = timed
+        # keep=True: the trace text itself, per thread, for trace_statements() and
+        # trace_intervals().
+        self.keep = keep
+        self.traces: dict[int, list[str]] = defaultdict(list)
         self.statements: Counter[int] = Counter()
         self.wire: Counter[int] = Counter()
         self.wire_seconds: dict[int, float] = defaultdict(float)
@@ -254,8 +377,11 @@ class RoundTrips:
     def _collect(self, pgconn: Any, stream: IO[bytes], thread: int) -> None:
         pgconn.untrace()  # flushes libpq's buffer into the file
         stream.seek(0)
-        count, waited = parse_trace(stream.read().decode(errors="replace"), self.timed)
+        text = stream.read().decode(errors="replace")
         stream.close()
+        count, waited = parse_trace(text, self.timed)
+        if self.keep:
+            self.traces[thread].append(text)
         self.wire[thread] += count
         self.wire_seconds[thread] += waited
 
@@ -321,6 +447,140 @@ def _trace_time(stamp: str) -> float:
     return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
 
 
+# A message's first line in libpq's trace: [timestamp TAB] direction TAB length TAB type.
+_MESSAGE = re.compile(r"^(?:(?P<stamp>\d{4}-\d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)?)\t)?"
+                      r"(?P<dir>[FB])\t(?P<length>\d+)\t(?P<type>[A-Za-z]+)(?P<body>.*)$")
+_PARSE_BODY = re.compile(r'^\s*"[^"]*" "(?P<query>.*)" (?P<params>\d+)(?: -?\d+)*\s*$', re.S)
+_QUERY_BODY = re.compile(r'^\s*"(?P<query>.*)"\s*$', re.S)
+
+
+@dataclass(frozen=True)
+class TraceMessage:
+    stamp: str
+    direction: str  # "F" (frontend, the client) or "B" (backend, the server)
+    length: int
+    type: str
+    body: str
+
+
+def trace_messages(text: str) -> list[TraceMessage]:
+    """The messages of a libpq protocol trace (a message's text may span several lines)."""
+    messages: list[TraceMessage] = []
+    current: dict[str, Any] | None = None
+    for line in text.split("\n"):
+        match = _MESSAGE.match(line)
+        if match:
+            if current is not None:
+                messages.append(TraceMessage(**current))
+            current = {"stamp": match["stamp"] or "", "direction": match["dir"],
+                       "length": int(match["length"]), "type": match["type"],
+                       "body": match["body"]}
+        elif current is not None:
+            current["body"] += "\n" + line
+    if current is not None:
+        messages.append(TraceMessage(**current))
+    return messages
+
+
+@dataclass(frozen=True)
+class SentStatement:
+    """A statement as the server received it: its text ($n placeholders) and parameters."""
+
+    text: str
+    params: int
+
+    @property
+    def chars(self) -> int:
+        return len(self.text)
+
+
+def trace_statements(text: str) -> list[SentStatement]:
+    """Every SQL text the client sent (``Parse`` and ``Query`` messages) in a trace."""
+    sent = []
+    for message in trace_messages(text):
+        if message.direction != "F":
+            continue
+        if message.type == "Parse":
+            match = _PARSE_BODY.match(message.body)
+            if match:
+                sent.append(SentStatement(match["query"], int(match["params"])))
+        elif message.type == "Query":
+            match = _QUERY_BODY.match(message.body)
+            if match:
+                sent.append(SentStatement(match["query"], 0))
+    return sent
+
+
+def trace_intervals(text: str) -> list[tuple[float, float]]:
+    """(start, end) of each round trip in a timed trace, as Unix times (``time.time()``).
+
+    libpq writes local wall-clock time, as ``datetime.timestamp()`` reads a naive one.
+    """
+    intervals = []
+    first: str | None = None
+    for message in trace_messages(text):
+        if not message.stamp:
+            continue
+        if message.direction == "F" and first is None:
+            first = message.stamp
+        elif message.direction == "B" and message.type == "ReadyForQuery" and first:
+            intervals.append((_epoch(first), _epoch(message.stamp)))
+            first = None
+    return intervals
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+@dataclass(frozen=True)
+class ExecutedStatement:
+    """A statement as psycopg's ``Cursor.execute`` received it, before conversion."""
+
+    chars: int  # the length psycopg compares with MAX_CACHED_STATEMENT_LENGTH (bytes)
+    params: int  # the number of parameters it compares with MAX_CACHED_STATEMENT_PARAMS
+    text: str
+
+
+@contextmanager
+def psycopg_statements() -> Iterator[list[ExecutedStatement]]:
+    """What this thread hands to ``psycopg.Cursor.execute``, whoever calls it.
+
+    SQLAlchemy and the statements the library sends to the psycopg connection directly
+    both go through ``Cursor.execute`` (``Connection.execute`` opens a cursor). The query
+    is recorded as psycopg sees it: the text with its ``%(name)s`` placeholders, whose
+    encoded length decides whether psycopg caches its conversion.
+    """
+    seen: list[ExecutedStatement] = []
+    me = threading.get_ident()
+    original = psycopg.Cursor.execute
+
+    def execute(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
+        if threading.get_ident() == me:
+            seen.append(_executed(self, query, params))
+        return original(self, query, params, **kwargs)
+
+    psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        psycopg.Cursor.execute = original  # type: ignore[method-assign]
+
+
+def _executed(cursor: Any, query: Any, params: Any) -> ExecutedStatement:
+    if isinstance(query, bytes):
+        raw = query
+    elif isinstance(query, str):
+        raw = query.encode()
+    else:  # psycopg.sql.Composable and the like
+        try:
+            raw = query.as_bytes(cursor)
+        except Exception:
+            raw = str(query).encode()
+    count = 0 if params is None else len(params)
+    return ExecutedStatement(len(raw), count, raw.decode(errors="replace"))
+
+
 def count_round_trips(engine: Engine, fn: Callable[[], object]) -> tuple[int, int | None]:
     """Statements and wire round trips that ``fn()`` causes in this thread."""
     counter = RoundTrips(engine)
@@ -334,10 +594,16 @@ def count_round_trips(engine: Engine, fn: Callable[[], object]) -> tuple[int, in
 
 @dataclass
 class DuraflowBench:
-    """An in-process Celery app with the durable task, on the benchmark's own tables."""
+    """An in-process Celery app with the durable task, on the benchmark's own tables.
+
+    The same app also has the plain task (the same work, no ``base=DurableTask``): what
+    Celery's ``Task.apply()`` costs by itself. The store may be PostgreSQL or SQLite
+    (``conninfo`` is empty then, and there is no :attr:`admin` connection).
+    """
 
     app: Celery
     task: Any
+    plain: Any
     engine: Engine
     conninfo: str
     prefix: str
@@ -354,10 +620,17 @@ class DuraflowBench:
         )
         task = app.task(base=DurableTask, name=DURABLE_TASK_NAME,
                         shared=False)(workload.durable_steps)
+        plain = app.task(name=PLAIN_TASK_NAME, shared=False)(workload.plain_steps)
         store = store_for(config_for_app(app))
         store.migrate()
-        return cls(app=app, task=task, engine=store.engine, conninfo=libpq_url(database_url),
+        conninfo = libpq_url(database_url) if is_postgres(database_url) else ""
+        return cls(app=app, task=task, plain=plain, engine=store.engine, conninfo=conninfo,
                    prefix=prefix)
+
+    @property
+    def store(self) -> Any:
+        """The library's process-wide store of this app's configuration."""
+        return store_for(config_for_app(self.app))
 
     def run(self, n: int, task_id: str | None = None) -> str:
         """Apply the durable task in this process (a new task id unless given)."""
@@ -368,6 +641,12 @@ class DuraflowBench:
         if result.result != workload.expected_result(n):
             raise RuntimeError(f"durable run {task_id} returned {result.result!r}")
         return task_id
+
+    def run_plain(self, n: int) -> None:
+        """Apply the plain task in this process: Celery's own apply machinery."""
+        result = self.plain.apply(args=(n,), task_id=f"bench-{uuid.uuid4()}")
+        if not result.successful() or result.result != workload.expected_result(n):
+            raise RuntimeError(f"plain task of {n} steps failed: {result.traceback}")
 
     @property
     def admin(self) -> psycopg.Connection[Any]:

@@ -36,7 +36,7 @@ from .common import RoundTrips, count_round_trips
 def unavailable_reason() -> str | None:
     """Why DBOS cannot be compared here, or None when it can."""
     try:
-        import dbos  # noqa: F401
+        import dbos  # type: ignore[import-not-found, unused-ignore]  # noqa: F401
     except ImportError as exc:
         return (f"DBOS cannot be imported ({type(exc).__name__}: {exc}); install the bench "
                 "extra (pip install -e '.[bench]', or make bench)")
@@ -131,7 +131,7 @@ def _dbos_version() -> str:
 def _system_engine() -> Engine | None:
     """DBOS's own SQLAlchemy engine (internal attribute), to count its round trips."""
     try:
-        from dbos._dbos import _get_dbos_instance
+        from dbos._dbos import _get_dbos_instance  # type: ignore[import-not-found, unused-ignore]
 
         engine: Any = _get_dbos_instance()._sys_db.engine
     except Exception:

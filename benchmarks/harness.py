@@ -32,10 +32,15 @@ import hashlib
 import json
 import os
 import platform
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import PackageNotFoundError, version
@@ -50,9 +55,15 @@ from .common import (
     PLAIN_TASK_NAME,
     RSS_TASK_NAME,
     DuraflowBench,
+    ExecutedStatement,
     Floor,
+    RoundTrips,
     Samples,
+    SentStatement,
+    SqliteFloor,
+    SqliteStatements,
     count_round_trips,
+    cpu_timed,
     default_broker_url,
     default_database_url,
     drop_prefixed_tables,
@@ -61,12 +72,16 @@ from .common import (
     log,
     ms,
     new_prefix,
+    psycopg_statements,
     ratio,
+    sqlite_settings,
     table,
     timed,
+    trace_statements,
 )
+from .workload import HandWritten
 
-BENCHMARKS = ("fresh", "replay", "dbos", "e2e", "memory")
+BENCHMARKS = ("fresh", "replay", "sqlite", "wal", "dbos", "e2e", "memory")
 # The floor INSERT is timed in bursts of this many back to back (its best case).
 FLOOR_BURST = 20
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -90,6 +105,14 @@ class Sizes:
     dbos_runs: dict[int, int]
     dbos_forks: int
     dbos_fork_steps: tuple[int, ...]
+    # sqlite: rounds, runs per round for each N (0 is the empty task), floor commits per round
+    sqlite_rounds: int
+    sqlite_runs: dict[int, int]
+    sqlite_floor_per_round: int
+    # wal: batches of each variant, tasks per batch, steps per task
+    wal_batches: int
+    wal_tasks: int
+    wal_steps: int
     # e2e
     e2e_tasks: int
     e2e_steps: int
@@ -100,6 +123,9 @@ class Sizes:
     memory_steps: int
     memory_warmup: int
     memory_samples: int
+    # --profile: attempts per N (untraced, and traced for the waits on the server)
+    profile_runs: dict[int, int]
+    profile_traced: dict[int, int]
 
 
 FULL = Sizes(
@@ -108,8 +134,11 @@ FULL = Sizes(
     replay_rounds=5, replay_runs={0: 60, 1: 60, 10: 40, 100: 20},
     dbos_rounds=5, dbos_runs={0: 40, 1: 40, 10: 20, 100: 4}, dbos_forks=5,
     dbos_fork_steps=(1, 10, 100),
+    sqlite_rounds=5, sqlite_runs={0: 100, 10: 30, 100: 4}, sqlite_floor_per_round=400,
+    wal_batches=5, wal_tasks=200, wal_steps=10,
     e2e_tasks=1000, e2e_steps=10, e2e_rounds=3, e2e_warmup=50,
     memory_runs=10_000, memory_steps=10, memory_warmup=500, memory_samples=5,
+    profile_runs={0: 300, 10: 100}, profile_traced={0: 50, 10: 20},
 )
 QUICK = Sizes(
     steps=(1, 10, 100), warmup=1,
@@ -117,8 +146,11 @@ QUICK = Sizes(
     replay_rounds=2, replay_runs={0: 3, 1: 3, 10: 3, 100: 2},
     dbos_rounds=1, dbos_runs={0: 2, 1: 2, 10: 2, 100: 1}, dbos_forks=1,
     dbos_fork_steps=(100,),
+    sqlite_rounds=2, sqlite_runs={0: 5, 10: 3, 100: 1}, sqlite_floor_per_round=40,
+    wal_batches=2, wal_tasks=5, wal_steps=10,
     e2e_tasks=20, e2e_steps=10, e2e_rounds=1, e2e_warmup=4,
     memory_runs=50, memory_steps=10, memory_warmup=10, memory_samples=2,
+    profile_runs={0: 5, 10: 3}, profile_traced={0: 3, 10: 2},
 )
 
 
@@ -140,10 +172,28 @@ class Harness:
     sizes: Sizes
     prefix: str
     results: dict[str, Any] = field(default_factory=dict)
+    rabbitmq_url: str = ""
+    profile: bool = False
     targets: dict[str, Target] = field(default_factory=lambda: {
-        "fresh": Target("fresh step overhead / raw durable commit (worst N)", "<= 1.5x"),
+        "empty": Target("empty durable task: fixed cost of an attempt (durable - plain) / "
+                        "raw durable commit", "<= 2.5x"),
+        "empty_cpu": Target("empty durable task: client CPU per attempt beyond a plain task",
+                            "< 0.5 ms"),
+        "statements": Target("each statement of start and finish <= 4096 chars "
+                             "(psycopg's conversion cache)", "<= 4096"),
+        "fresh": Target("fresh step overhead / raw durable commit (worst N)", "<= 1.2x"),
         "replay": Target("round trips to replay a run of 100 completed steps", "<= 2"),
+        "replay_cpu": Target("client CPU per replayed step, 100-step replay", "< 30 us"),
+        "sqlite": Target("SQLite fresh step overhead / raw BEGIN IMMEDIATE+INSERT+COMMIT "
+                         "(worst N)", "<= 3x"),
+        "sqlite_tx": Target("SQLite transactions per fresh step", "1"),
+        "wal": Target("WAL bytes per durable 10-step task / hand-written twelve commits",
+                      "<= 1.5x"),
         "dbos": Target("DBOS per-step overhead / celery-duraflow's (worst N)", ">= 4x"),
+        "e2e_redis": Target("e2e throughput durable / hand-written twelve commits (Redis)",
+                            ">= 0.85x"),
+        "e2e_rabbitmq": Target("e2e throughput durable / hand-written twelve commits "
+                               "(RabbitMQ)", ">= 0.85x"),
         "memory": Target("worker RSS growth over 10,000 durable runs", "< 20 MB"),
     })
     errors: list[str] = field(default_factory=list)
@@ -184,10 +234,15 @@ class Harness:
             for n in (0, *s.steps):
                 variants[f"n={n}"] = _bind(df.run, n)
                 per_round[f"n={n}"] = s.fresh_runs[n]
+            # Celery's Task.apply() by itself: the same app, the same (empty) work.
+            variants["plain"] = _bind(df.run_plain, 0)
+            per_round["plain"] = s.fresh_runs[0]
             log(f"fresh: {s.fresh_rounds} rounds of {per_round}")
+            cpu: dict[str, Samples] = {}
             samples = interleaved(variants, per_round, s.fresh_rounds, s.warmup,
-                                  bursts={"floor": FLOOR_BURST})
+                                  bursts={"floor": FLOOR_BURST}, cpu=cpu)
             counts = {n: count_round_trips(df.engine, _bind(df.run, n)) for n in (0, *s.steps)}
+            executed, sent = _statements_of(df, 0)
             sync = floor.synchronous_commit
         finally:
             floor.close()
@@ -215,7 +270,8 @@ class Harness:
             data.append({"steps": n, "runs": len(run), "run_median_s": run.median,
                          "run_min_s": run.minimum, "per_step_s": per_step,
                          "per_step_min_s": per_step_min, "floor_ratio": factor,
-                         "statements": statements, "round_trips": wire})
+                         "statements": statements, "round_trips": wire,
+                         "cpu_median_s": cpu[f"n={n}"].median})
         self.section("Fresh step overhead", [
             f"Floor: one raw psycopg 3 autocommit INSERT of one row (synchronous_commit="
             f"{sync}): median {ms(floor_s.median)} ms, mean {ms(floor_s.mean)} ms, "
@@ -237,8 +293,94 @@ class Harness:
         target = self.targets["fresh"]
         if worst is not None:
             target.measured = f"{worst:.2f}x"
-            target.status = "met" if worst <= 1.5 else "NOT met"
+            target.status = "met" if worst <= 1.2 else "NOT met"
             target.note = f"N={worst_n}; floor {ms(floor_s.median)} ms per commit"
+        self._report_empty(samples, cpu, executed, sent)
+
+    def _report_empty(self, samples: dict[str, Samples], cpu: dict[str, Samples],
+                      executed: list[ExecutedStatement], sent: list[SentStatement]) -> None:
+        """The empty durable task against the plain task and the floor (same rounds)."""
+        floor, durable, plain = samples["floor"], samples["n=0"], samples["plain"]
+        d_cpu, p_cpu = cpu["n=0"], cpu["plain"]
+        fixed = durable.median - plain.median
+        fixed_cpu = d_cpu.median - p_cpu.median
+        rows: list[list[object]] = [
+            ["empty durable task (start + finish of an attempt)", len(durable),
+             ms(durable.median), ms(durable.minimum), ratio(durable.median / floor.median),
+             ms(d_cpu.median)],
+            ["plain task, same app and body (Celery's Task.apply())", len(plain),
+             ms(plain.median), ms(plain.minimum), ratio(plain.median / floor.median),
+             ms(p_cpu.median)],
+            ["difference: the attempt's fixed cost", "-", ms(fixed),
+             ms(durable.minimum - plain.minimum), ratio(fixed / floor.median), ms(fixed_cpu)],
+            ["floor: one raw autocommit INSERT", len(floor), ms(floor.median),
+             ms(floor.minimum), "1.00x", "-"],
+        ]
+        longest = max(executed, key=lambda e: e.chars, default=None)
+        longest_sent = max(sent, key=lambda e: e.chars, default=None)
+        statement_rows = [[i + 1, e.chars, e.params, _clip(e.text, 90)]
+                          for i, e in enumerate(executed)]
+        lines = [
+            "The empty durable task (durable_steps(0): no step) and a plain task with the "
+            "same (empty) work registered on the same app without base=DurableTask, applied "
+            "in this process, taking turns with the floor and the runs above in the same "
+            "rounds. Medians; CPU = time.thread_time() of this thread around each apply "
+            "(the eager task runs in it). The difference is what starting and finishing an "
+            "attempt costs beyond Celery's own apply machinery.",
+            "",
+            table(["task", "runs", "median ms", "min ms", "x floor", "CPU median ms"], rows),
+            "",
+            "Statements of one empty durable run, as psycopg's Cursor.execute received them "
+            "(chars = the encoded query with its %(name)s placeholders, which psycopg "
+            "compares with MAX_CACHED_STATEMENT_LENGTH = 4096; params = the parameters "
+            "passed, compared with MAX_CACHED_STATEMENT_PARAMS = 50):",
+            "",
+            table(["#", "chars", "params", "statement"], statement_rows)
+            if statement_rows else "(none seen: the library did not go through "
+                                   "psycopg.Cursor.execute)",
+            "",
+            "Longest as psycopg received it: "
+            + (f"{longest.chars} chars with {longest.params} parameters."
+               if longest else "-"),
+            f"On the wire (Parse/Query messages of libpq's trace of the same run, $n "
+            f"placeholders): {len(sent)} statement texts; the longest "
+            + (f"{longest_sent.chars} chars with {longest_sent.params} parameters."
+               if longest_sent else "none (prepared statements are sent without their text)."),
+        ]
+        self.section("Empty durable task", lines)
+        self.results["empty"] = {
+            "durable_median_s": durable.median, "plain_median_s": plain.median,
+            "fixed_cost_s": fixed, "fixed_cost_floor_ratio": fixed / floor.median,
+            "durable_floor_ratio": durable.median / floor.median,
+            "durable_cpu_s": d_cpu.median, "plain_cpu_s": p_cpu.median,
+            "fixed_cpu_s": fixed_cpu,
+            "statements": [asdict(e) for e in executed],
+            "wire_statements": [{"chars": e.chars, "params": e.params} for e in sent],
+        }
+        target = self.targets["empty"]
+        factor = fixed / floor.median
+        target.measured = f"{factor:.2f}x"
+        target.status = "met" if factor <= 2.5 else "NOT met"
+        target.note = (f"raw durable/floor {durable.median / floor.median:.2f}x; "
+                       f"{ms(fixed)} ms fixed cost")
+        target = self.targets["empty_cpu"]
+        target.measured = f"{ms(fixed_cpu)} ms"
+        target.status = "met" if fixed_cpu < 0.5e-3 else "NOT met"
+        target.note = f"durable {ms(d_cpu.median)} ms - plain {ms(p_cpu.median)} ms"
+        target = self.targets["statements"]
+        source = ([(e.chars, e.params) for e in executed]
+                  or [(e.chars, e.params) for e in sent])
+        if source:
+            chars, params = max(source)
+            target.measured = f"{chars} chars"
+            target.status = "met" if chars <= 4096 else "NOT met"
+            target.note = (f"{params} params; "
+                           + ("as psycopg sees it" if executed else "wire text")
+                           + (f"; wire {longest_sent.chars} chars" if longest_sent and executed
+                              else ""))
+        else:
+            target.status = "error"
+            target.note = "no statement seen"
 
     # -- replay -----------------------------------------------------------------------------
 
@@ -250,11 +392,13 @@ class Harness:
         largest = max(s.steps)
 
         body = {n: Samples() for n in sizes}
+        cpu = {n: Samples() for n in sizes}
 
         def resume(n: int) -> float:
             df.reset_to_running(ids[n])
-            seconds = timed(_bind(df.run, n, ids[n]))
+            seconds, used = cpu_timed(_bind(df.run, n, ids[n]))
             body[n].add(workload.LAST_BODY[0])
+            cpu[n].add(used)
             return seconds
 
         bodies = workload.BODIES_RUN[0]
@@ -262,7 +406,9 @@ class Harness:
             for _ in range(s.warmup):
                 resume(n)
         samples = {n: Samples() for n in sizes}
-        body = {n: Samples() for n in sizes}  # drop the warm-up's (resume() sees this one)
+        # Drop the warm-up's (resume() sees these).
+        body.update({n: Samples() for n in sizes})
+        cpu.update({n: Samples() for n in sizes})
         short = Samples()
         log(f"replay: {s.replay_rounds} rounds of {s.replay_runs}")
         for _ in range(s.replay_rounds):
@@ -288,15 +434,17 @@ class Harness:
             statements, wire = counts[n]
             per_step = None if n == 0 else (run.median - samples[0].median) / n
             in_body = None if n == 0 else body[n].median / n
+            cpu_step = None if n == 0 else (cpu[n].median - cpu[0].median) / n
             rows.append([f"resume, {n} completed steps", len(run), ms(run.median),
-                         ms(run.minimum), _us(per_step), _us(in_body), statements,
-                         _opt(wire)])
+                         ms(run.minimum), _us(per_step), _us(in_body), ms(cpu[n].median),
+                         _us(cpu_step), statements, _opt(wire)])
             data.append({"kind": "resume", "steps": n, "runs": len(run),
                          "median_s": run.median, "min_s": run.minimum, "per_step_s": per_step,
-                         "body_per_step_s": in_body, "statements": statements,
+                         "body_per_step_s": in_body, "cpu_median_s": cpu[n].median,
+                         "cpu_per_step_s": cpu_step, "statements": statements,
                          "round_trips": wire})
         rows.append([f"succeeded run delivered again ({largest} steps)", len(short),
-                     ms(short.median), ms(short.minimum), "-", "-", short_counts[0],
+                     ms(short.median), ms(short.minimum), "-", "-", "-", "-", short_counts[0],
                      _opt(short_counts[1])])
         data.append({"kind": "succeeded", "steps": largest, "runs": len(short),
                      "median_s": short.median, "min_s": short.minimum,
@@ -306,13 +454,16 @@ class Harness:
             "Resume: the run row set back to 'running' (the worker died after the last step), "
             "then the same task id applied again; every step is answered from the store and "
             "no step body runs (checked). Per step = (replay - empty replay) / N, medians; "
-            "in body = the task body's own time (first line to last) / N, median.",
+            "in body = the task body's own time (first line to last) / N, median; CPU = "
+            "time.thread_time() of this thread around the apply, median, and per step "
+            "(CPU of the replay - CPU of the empty replay) / N.",
             "Round trips: statements = SQLAlchemy before_cursor_execute events; round trips = "
             "ReadyForQuery messages in libpq's trace of the same connections (one per wait "
             "on the server).",
             "",
             table(["replay", "runs", "median ms", "min ms", "per step us",
-                   "per step in body us", "SQLAlchemy statements", "round trips"], rows),
+                   "per step in body us", "CPU median ms", "CPU per step us",
+                   "SQLAlchemy statements", "round trips"], rows),
         ])
         self.results["replay"] = {"rows": data}
         target = self.targets["replay"]
@@ -321,6 +472,189 @@ class Harness:
         target.status = "met" if measured <= 2 else "NOT met"
         if largest != 100:
             target.note = f"measured with {largest} steps"
+        target = self.targets["replay_cpu"]
+        cpu_step = (cpu[largest].median - cpu[0].median) / largest
+        target.measured = f"{cpu_step * 1e6:.1f} us"
+        target.status = "met" if cpu_step < 30e-6 else "NOT met"
+        target.note = (f"({ms(cpu[largest].median)} - {ms(cpu[0].median)} ms) / {largest}, "
+                       "thread CPU, medians")
+
+    # -- sqlite -----------------------------------------------------------------------------
+
+    def bench_sqlite(self) -> None:
+        s = self.sizes
+        target = self.targets["sqlite"]
+        directory = tempfile.mkdtemp(prefix="duraflow-bench-sqlite-")
+        store_path = os.path.join(directory, "store.db")
+        sq = DuraflowBench.create(f"sqlite:///{store_path}", self.prefix)
+        floor = SqliteFloor(os.path.join(directory, "floor.db"))
+        sizes = tuple(sorted(s.sqlite_runs))
+        steps = tuple(n for n in sizes if n)
+        try:
+            with sq.engine.connect() as conn:
+                library_settings = sqlite_settings(conn.connection.driver_connection)
+            variants: dict[str, Callable[[], object]] = {"floor": floor.insert}
+            per_round = {"floor": s.sqlite_floor_per_round}
+            for n in sizes:
+                variants[f"n={n}"] = _bind(sq.run, n)
+                per_round[f"n={n}"] = s.sqlite_runs[n]
+            log(f"sqlite: {s.sqlite_rounds} rounds of {per_round}")
+            samples = interleaved(variants, per_round, s.sqlite_rounds, s.warmup,
+                                  bursts={"floor": FLOOR_BURST})
+            traced: dict[int, SqliteStatements] = {}
+            for n in (0, 10):
+                traced[n] = SqliteStatements(sq.engine)
+                with traced[n].counting():
+                    sq.run(n)
+        finally:
+            floor.close()
+            sq.close()
+            sq.engine.dispose()
+            shutil.rmtree(directory, ignore_errors=True)
+
+        floor_s = samples["floor"]
+        empty = samples["n=0"]
+        rows: list[list[object]] = []
+        data: list[dict[str, Any]] = []
+        worst: float | None = None
+        worst_n = 0
+        for n in sizes:
+            run = samples[f"n={n}"]
+            per_step = factor = None
+            if n:
+                per_step = (run.median - empty.median) / n
+                factor = per_step / floor_s.median
+                if worst is None or factor > worst:
+                    worst, worst_n = factor, n
+            rows.append([n if n else "0 (empty task)", len(run), ms(run.median),
+                         ms(run.minimum), ms(per_step), ratio(factor)])
+            data.append({"steps": n, "runs": len(run), "run_median_s": run.median,
+                         "per_step_s": per_step, "floor_ratio": factor})
+        begins = {n: t.count("BEGIN") for n, t in traced.items()}
+        commits = {n: t.count("COMMIT") for n, t in traced.items()}
+        per_step_tx = (begins[10] - begins[0]) / 10
+        empty_rows = [[i + 1, _clip(" ".join(text.split()), 100)]
+                      for i, text in enumerate(traced[0].statements)]
+        self.section("SQLite", [
+            "The same durable task on an SQLite store (duraflow_database_url=sqlite:///"
+            "<temporary file>), applied in this process, a new task id each time; per step = "
+            "(run - empty run) / N, medians. Floor: a raw sqlite3 connection "
+            "(isolation_level=None) on a second file in the same directory, "
+            "`BEGIN IMMEDIATE; INSERT one row; COMMIT` (the way the library opens its "
+            "transactions), timed in the same rounds in bursts of "
+            f"{FLOOR_BURST}: median {ms(floor_s.median)} ms over {len(floor_s)} commits.",
+            f"Settings: the library's connection {library_settings}; the floor's "
+            f"{floor.settings}.",
+            "",
+            table(["steps", "runs", "run median ms", "run min ms", "per step ms", "x floor"],
+                  rows),
+            "",
+            "Statements SQLite ran (sqlite3 set_trace_callback on the store's connections "
+            f"while checked out): an empty run {len(traced[0].statements)} ({begins[0]} BEGIN, "
+            f"{commits[0]} COMMIT), a 10-step run {len(traced[10].statements)} ({begins[10]} "
+            f"BEGIN, {commits[10]} COMMIT): {per_step_tx:g} transactions per fresh step "
+            "(BEGINs of the 10-step run - BEGINs of the empty run) / 10. The empty run's:",
+            "",
+            table(["#", "statement"], empty_rows),
+        ])
+        self.results["sqlite"] = {
+            "floor_median_s": floor_s.median, "rows": data,
+            "library_settings": library_settings, "floor_settings": floor.settings,
+            "statements_empty": traced[0].statements,
+            "statements_10": len(traced[10].statements),
+            "begins": begins, "commits": commits, "transactions_per_step": per_step_tx,
+        }
+        if worst is not None:
+            target.measured = f"{worst:.2f}x"
+            target.status = "met" if worst <= 3 else "NOT met"
+            target.note = f"N={worst_n}; floor {ms(floor_s.median)} ms per commit"
+        elif not steps:
+            target.note = "no N > 0 measured"
+        target = self.targets["sqlite_tx"]
+        target.measured = f"{per_step_tx:g}"
+        target.status = "met" if per_step_tx <= 1 else "NOT met"
+        target.note = (f"BEGINs: {begins[10]} (10 steps) - {begins[0]} (empty); "
+                       f"{len(traced[0].statements)} statements in an empty run")
+
+    # -- wal --------------------------------------------------------------------------------
+
+    def bench_wal(self) -> None:
+        s = self.sizes
+        df = self.duraflow
+        admin = df.admin
+        HandWritten.create_tables(admin, self.prefix)
+        conn = psycopg.connect(self.conninfo, autocommit=True)
+        hand = HandWritten(conn, self.prefix)
+        n = s.wal_steps
+
+        def durable() -> None:
+            df.run(n)
+
+        def by_hand() -> None:
+            task_id = f"bench-{uuid.uuid4()}"
+            if hand.run(task_id, n) != workload.expected_result(n):
+                raise RuntimeError("the hand-written run returned a wrong result")
+
+        variants = {"durable": durable, "by hand": by_hand}
+        waldump = _waldump(admin)
+        per_task: dict[str, list[float]] = {k: [] for k in variants}
+        dumps: dict[str, str] = {}
+        try:
+            for fn in variants.values():
+                for _ in range(max(s.warmup, 2)):
+                    fn()
+            log(f"wal: {s.wal_batches} batches of {s.wal_tasks} tasks of each kind")
+            for batch in range(s.wal_batches):
+                order = list(variants) if batch % 2 == 0 else list(reversed(variants))
+                for kind in order:
+                    admin.execute("CHECKPOINT")
+                    start = _lsn(admin)
+                    for _ in range(s.wal_tasks):
+                        variants[kind]()
+                    end = _lsn(admin)
+                    row = admin.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)",
+                                        (end, start)).fetchone()
+                    per_task[kind].append(float(row[0] if row else 0) / s.wal_tasks)
+                    if batch == s.wal_batches - 1:
+                        # Now, before the next CHECKPOINT may recycle the segments.
+                        dumps[kind] = _waldump_stats(waldump, start, end)
+        finally:
+            conn.close()
+        medians = {k: statistics.median(v) for k, v in per_task.items()}
+        factor = medians["durable"] / medians["by hand"] if medians["by hand"] else None
+        rows = [[kind, len(values), f"{medians[kind]:.0f}", f"{min(values):.0f}",
+                 f"{max(values):.0f}", ", ".join(f"{v:.0f}" for v in values)]
+                for kind, values in per_task.items()]
+        lines = [
+            f"WAL written per task of {n} steps, in this process: the durable task applied "
+            f"eagerly, and the same run written by hand ({n + 2} autocommit statements on a "
+            "raw psycopg connection into two tables with only their primary keys: INSERT "
+            "the run row, INSERT one row per step, UPDATE the run row). "
+            f"{s.wal_batches} batches of {s.wal_tasks} tasks of each kind, alternating, each "
+            "after a CHECKPOINT (both pay for full-page images alike); bytes = "
+            "pg_wal_lsn_diff(pg_current_wal_lsn() after, before) / tasks.",
+            "The database is shared with whatever else runs on the server (other tests "
+            "write WAL too), so each batch can include others' records: the median of the "
+            "batches is what is compared.",
+            "",
+            table(["task", "batches", "median bytes/task", "min", "max", "each batch"], rows),
+            "",
+            f"durable / by hand: {ratio(factor)}.",
+        ]
+        for kind in variants:
+            lines += ["", f"pg_waldump --stats=record of the last {kind} batch "
+                          "(all records between its two LSNs, other sessions' included):",
+                      "", "```", dumps.get(kind, "(not run)"), "```"]
+        self.section("WAL per task", lines)
+        self.results["wal"] = {"steps": n, "tasks_per_batch": s.wal_tasks,
+                               "bytes_per_task": per_task, "median_bytes_per_task": medians,
+                               "durable_over_hand": factor, "waldump": dumps}
+        target = self.targets["wal"]
+        if factor is not None:
+            target.measured = f"{factor:.2f}x"
+            target.status = "met" if factor <= 1.5 else "NOT met"
+            target.note = (f"{medians['durable']:.0f} B vs {medians['by hand']:.0f} B per "
+                           "task, medians of batches (shared server)")
 
     # -- dbos -------------------------------------------------------------------------------
 
@@ -778,3 +1112,78 @@ def main(argv: Sequence[str] | None = None) -> int:
     for error in harness.errors:
         print(f"error in {error}", file=sys.stderr)
     return status
+
+
+def _clip(text: str, width: int) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _statements_of(df: DuraflowBench,
+                   n: int) -> tuple[list[ExecutedStatement], list[SentStatement]]:
+    """The statements of one run: as psycopg's Cursor.execute got them, and on the wire.
+
+    The pool's connections are closed first: psycopg prepares a statement it has run
+    five times on a connection and sends it without its text from then on, whereas the
+    first executions on a new connection carry it (``Parse`` messages).
+    """
+    df.engine.dispose()
+    df.run(n)  # the schema check and whatever a new connection does first, untraced
+    df.engine.dispose()
+    counter = RoundTrips(df.engine, keep=True)
+    with psycopg_statements() as executed, counter.counting():
+        df.run(n)
+    texts = counter.traces[threading.get_ident()]
+    return list(executed), [sent for text in texts for sent in trace_statements(text)]
+
+
+def _lsn(conn: psycopg.Connection[Any]) -> str:
+    row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    if row is None:
+        raise RuntimeError("pg_current_wal_lsn() returned nothing")
+    return str(row[0])
+
+
+@dataclass(frozen=True)
+class WalDump:
+    """Where pg_waldump and the server's WAL are, or why they cannot be used."""
+
+    binary: str | None
+    directory: str | None
+    problem: str | None
+
+
+def _waldump(conn: psycopg.Connection[Any]) -> WalDump:
+    try:
+        row = conn.execute("SHOW server_version_num").fetchone()
+        major = int(row[0]) // 10000 if row else 0
+        row = conn.execute("SHOW data_directory").fetchone()
+        directory = os.path.join(str(row[0]), "pg_wal") if row else None
+    except psycopg.Error as exc:
+        return WalDump(None, None, f"cannot ask the server where its WAL is ({exc})")
+    candidates = [os.environ.get("DURAFLOW_BENCH_PG_WALDUMP"),
+                  f"/usr/lib/postgresql/{major}/bin/pg_waldump", shutil.which("pg_waldump")]
+    binary = next((c for c in candidates if c and os.access(c, os.X_OK)), None)
+    if binary is None:
+        return WalDump(None, directory, "pg_waldump not found (DURAFLOW_BENCH_PG_WALDUMP "
+                                        "names it)")
+    if directory is None or not os.access(directory, os.R_OK | os.X_OK):
+        return WalDump(binary, directory, f"the WAL directory {directory} is not readable "
+                                          "here (another machine, or another user)")
+    return WalDump(binary, directory, None)
+
+
+def _waldump_stats(waldump: WalDump, start: str, end: str) -> str:
+    """pg_waldump --stats=record between two LSNs, or why not."""
+    if waldump.problem or not waldump.binary or not waldump.directory:
+        return f"skipped: {waldump.problem}"
+    try:
+        done = subprocess.run([waldump.binary, "--path", waldump.directory, "--start", start,
+                               "--end", end, "--stats=record"], capture_output=True, text=True,
+                              timeout=120, check=False)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"skipped: pg_waldump did not run ({type(exc).__name__}: {exc})"
+    if done.returncode != 0 or not done.stdout.strip():
+        problem = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return f"skipped: pg_waldump exited with {done.returncode}: {problem}"
+    return done.stdout.rstrip()

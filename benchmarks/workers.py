@@ -1,9 +1,10 @@
 """Real ``celery worker`` subprocesses for the end-to-end and memory benchmarks.
 
 Each worker has a queue and node name of its own and loads :mod:`benchmarks.celery_app`
-with the run's database, table prefix and broker. :func:`celery_worker` stops it (warm
-shutdown, then SIGKILL of its process group), purges its queue and deletes the results
-the client asked it for.
+with the run's database, table prefix, broker (Redis or RabbitMQ) and result backend
+(Redis). :func:`celery_worker` stops it (warm shutdown, then SIGKILL of its process group),
+purges its queue (and deletes it on RabbitMQ) and deletes the results the client asked it
+for.
 """
 
 from __future__ import annotations
@@ -97,14 +98,19 @@ class Worker:
 
 @contextlib.contextmanager
 def celery_worker(*, broker_url: str, database_url: str, prefix: str, concurrency: int,
-                  label: str) -> Iterator[Worker]:
-    """``celery worker --pool prefork --concurrency N`` on a queue of its own."""
+                  label: str, backend_url: str | None = None) -> Iterator[Worker]:
+    """``celery worker --pool prefork --concurrency N`` on a queue of its own.
+
+    The result backend is ``backend_url`` (a Redis URL), by default the broker's.
+    """
+    backend_url = backend_url or broker_url
     queue = f"duraflow-bench-{label}-{uuid.uuid4().hex[:10]}"
     log_dir = Path(tempfile.mkdtemp(prefix="duraflow-bench-"))
     log_path = log_dir / f"{label}.log"
     env = dict(os.environ)
     env.update(
         BENCH_BROKER_URL=broker_url,
+        BENCH_BACKEND_URL=backend_url,
         BENCH_DATABASE_URL=database_url,
         BENCH_TABLE_PREFIX=prefix,
         PYTHONUNBUFFERED="1",
@@ -116,7 +122,7 @@ def celery_worker(*, broker_url: str, database_url: str, prefix: str, concurrenc
         "-Q", queue, "-n", f"{queue}@%h",
         "--without-heartbeat", "--without-gossip", "--without-mingle",
     ]
-    client = Celery(f"bench-client-{label}", broker=broker_url, backend=broker_url,
+    client = Celery(f"bench-client-{label}", broker=broker_url, backend=backend_url,
                     set_as_current=False)
     client.conf.update(broker_connection_retry_on_startup=True, task_serializer="json",
                        result_serializer="json", accept_content=["json"])
@@ -156,11 +162,20 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 def _purge(client: Celery, queue: str, task_ids: list[str]) -> None:
     with client.connection_for_write() as conn:
-        bound = Queue(queue, routing_key=queue)(conn.default_channel)  # type: ignore[no-untyped-call]
+        channel = conn.default_channel
+        bound = Queue(queue, routing_key=queue)(channel)  # type: ignore[no-untyped-call]
         bound.purge()  # type: ignore[no-untyped-call]
-        redis = conn.default_channel.client
-        # The Redis transport keeps the queue's bindings in sets of their own.
-        redis.delete(f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
-        for start in range(0, len(task_ids), 1000):
-            keys = [f"celery-task-meta-{t}" for t in task_ids[start:start + 1000]]
-            redis.delete(*keys)
+        if conn.transport.driver_type == "redis":
+            # The Redis transport keeps the queue's bindings in sets of their own.
+            channel.client.delete(f"_kombu.binding.{queue}",
+                                  f"_kombu.binding_permanent.{queue}")
+        else:
+            # RabbitMQ keeps a durable queue until it is deleted.
+            bound.delete()  # type: ignore[no-untyped-call]
+    backend: Any = client.backend
+    redis = getattr(backend, "client", None)
+    if redis is None or not hasattr(redis, "delete"):
+        return
+    for start in range(0, len(task_ids), 1000):
+        keys = [f"celery-task-meta-{t}" for t in task_ids[start:start + 1000]]
+        redis.delete(*keys)

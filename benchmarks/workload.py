@@ -5,11 +5,17 @@ Subtracting its time from ``durable_steps(n)`` leaves what the n steps cost.
 
 :data:`BODIES_RUN` counts the step bodies that really ran in this process, so that a
 benchmark can check that a replay ran none of them.
+
+:class:`HandWritten` is the same run written to PostgreSQL by hand: the twelve commits of a
+10-step run (run row, one row per step, run row finished) and nothing else, the yardstick
+the end-to-end and WAL benchmarks hold the durable task against.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 from celery_duraflow import step
 
@@ -49,3 +55,41 @@ def plain_steps(n: int) -> int:
 def expected_result(n: int) -> int:
     """What both tasks return for ``n`` steps."""
     return n * (n - 1) // 2
+
+
+class HandWritten:
+    """A run of ``n`` trivial steps recorded by hand, one autocommit statement per write.
+
+    ``INSERT`` the run row, ``INSERT`` one row per step (its output as JSON), ``UPDATE`` the
+    run row to finished: ``n + 2`` single-statement transactions on a raw psycopg
+    connection in autocommit, into two tables of the benchmark's own that have nothing but
+    their primary keys. No lease, no fencing, no arguments, no retries: what a durable run
+    cannot do with less.
+    """
+
+    def __init__(self, conn: Any, prefix: str) -> None:
+        self.conn = conn
+        runs, steps = f'"{prefix}hand_runs"', f'"{prefix}hand_steps"'
+        self.runs_table, self.steps_table = f"{prefix}hand_runs", f"{prefix}hand_steps"
+        self._start = f"INSERT INTO {runs} (task_id, status) VALUES (%s, %s)"
+        self._step = f"INSERT INTO {steps} (task_id, step_key, output) VALUES (%s, %s, %s)"
+        self._finish = f"UPDATE {runs} SET status = %s WHERE task_id = %s"
+
+    @staticmethod
+    def create_tables(conn: Any, prefix: str) -> None:
+        conn.execute(f'CREATE TABLE IF NOT EXISTS "{prefix}hand_runs" '
+                     "(task_id varchar(255) PRIMARY KEY, status varchar(16) NOT NULL)")
+        conn.execute(f'CREATE TABLE IF NOT EXISTS "{prefix}hand_steps" '
+                     "(task_id varchar(255) NOT NULL, step_key varchar(1024) NOT NULL, "
+                     "output text, PRIMARY KEY (task_id, step_key))")
+
+    def run(self, task_id: str, n: int) -> int:
+        execute = self.conn.execute
+        execute(self._start, (task_id, "running"))
+        total = 0
+        for i in range(n):
+            result = trivial(i)
+            execute(self._step, (task_id, f"step#{i}", json.dumps(result)))
+            total += result
+        execute(self._finish, ("succeeded", task_id))
+        return total
