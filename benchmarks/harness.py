@@ -52,6 +52,7 @@ import psycopg
 from . import workload
 from .common import (
     DURABLE_TASK_NAME,
+    HANDWRITTEN_TASK_NAME,
     PLAIN_TASK_NAME,
     RSS_TASK_NAME,
     DuraflowBench,
@@ -66,6 +67,7 @@ from .common import (
     cpu_timed,
     default_broker_url,
     default_database_url,
+    default_rabbitmq_url,
     drop_prefixed_tables,
     interleaved,
     libpq_url,
@@ -800,60 +802,124 @@ class Harness:
     # -- e2e --------------------------------------------------------------------------------
 
     def bench_e2e(self) -> None:
+        df = self.duraflow  # the schema exists before the workers start
+        HandWritten.create_tables(df.admin, self.prefix)
+        brokers: list[tuple[str, str, str | None]] = [("Redis", self.broker_url, None)]
+        if self.rabbitmq_url:
+            brokers.append(("RabbitMQ", self.rabbitmq_url, _rabbitmq_problem(self.rabbitmq_url)))
+        else:
+            brokers.append(("RabbitMQ", "", "no RabbitMQ URL given"))
+        lines: list[str] = []
+        self.results["e2e"] = {}
+        for label, url, problem in brokers:
+            target = self.targets[f"e2e_{label.lower()}"]
+            if problem:
+                lines += [f"### {label}", "", f"Skipped: {problem}.", ""]
+                target.status, target.note = "skipped", problem
+                self.results["e2e"][label] = {"skipped": problem}
+                continue
+            lines += self._e2e_on(label, url, target)
+        s = self.sizes
+        self.section("End to end through Celery", [
+            f"{s.e2e_tasks} tasks per round, sent to one `celery worker --pool prefork "
+            "--concurrency 2` (2 pool processes) per broker, Redis as the result backend "
+            "for both brokers; wall time from the first send to the last result. Three kinds "
+            f"of task of {s.e2e_steps} trivial steps, taking turns (the order rotates each "
+            "round): a plain Celery task; a plain task that records the run by hand (the "
+            f"same {s.e2e_steps + 2} commits: a raw psycopg connection per pool process in "
+            "autocommit, INSERT the run row, INSERT one row per step, UPDATE the run row, "
+            "into two tables with only their primary keys); and the DurableTask. Every "
+            "result is checked, and so are the rows: every durable run succeeded, every "
+            "hand-written run row is finished. Celery defaults otherwise (early ack, "
+            "prefetch 4).",
+            "",
+            *lines,
+        ])
+
+    def _e2e_on(self, label: str, broker_url: str, target: Target) -> list[str]:
         from .workers import celery_worker
 
         s = self.sizes
-        self.duraflow  # noqa: B018 - the schema exists before the workers start
+        df = self.duraflow
         expected = workload.expected_result(s.e2e_steps)
-        walls: dict[str, Samples] = {"plain": Samples(), "durable": Samples()}
-        names = {"plain": PLAIN_TASK_NAME, "durable": DURABLE_TASK_NAME}
-        log("e2e: starting celery worker (prefork, concurrency 2)")
-        with celery_worker(broker_url=self.broker_url, database_url=self.database_url,
-                           prefix=self.prefix, concurrency=2, label="e2e") as worker:
-            for kind in ("plain", "durable"):
+        kinds = ("plain", "by hand", "durable")
+        names = {"plain": PLAIN_TASK_NAME, "by hand": HANDWRITTEN_TASK_NAME,
+                 "durable": DURABLE_TASK_NAME}
+        walls: dict[str, Samples] = {k: Samples() for k in kinds}
+        sent = dict.fromkeys(kinds, 0)
+        durable_before = self._count_succeeded(df)
+        hand_before = self._count_hand_finished(df)
+        log(f"e2e: starting celery worker on {label} (prefork, concurrency 2)")
+        with celery_worker(broker_url=broker_url, backend_url=self.broker_url,
+                           database_url=self.database_url, prefix=self.prefix, concurrency=2,
+                           label=f"e2e-{label.lower()}") as worker:
+            for kind in kinds:
                 warm = [worker.send(names[kind], s.e2e_steps) for _ in range(s.e2e_warmup)]
-                worker.wait_all(warm, timeout=120)
+                self._check_values(kind, worker.wait_all(warm, timeout=300), expected)
+                sent[kind] += len(warm)
+                for result in warm:
+                    result.forget()
             for r in range(s.e2e_rounds):
-                for kind in ("plain", "durable"):
-                    log(f"e2e: round {r + 1}/{s.e2e_rounds}, {s.e2e_tasks} {kind} tasks")
+                for kind in kinds[r % 3:] + kinds[:r % 3]:
+                    log(f"e2e {label}: round {r + 1}/{s.e2e_rounds}, {s.e2e_tasks} {kind} tasks")
                     start = time.perf_counter()
                     results = [worker.send(names[kind], s.e2e_steps) for _ in range(s.e2e_tasks)]
-                    values = worker.wait_all(results, timeout=600)
+                    values = worker.wait_all(results, timeout=900)
                     walls[kind].add(time.perf_counter() - start)
-                    wrong = [v for v in values if v != expected]
-                    if wrong:
-                        raise RuntimeError(f"{len(wrong)} {kind} tasks returned {wrong[:3]}")
+                    self._check_values(kind, values, expected)
+                    sent[kind] += len(results)
                     for result in results:
                         result.forget()
-        plain, durable = walls["plain"], walls["durable"]
+        durable_ok = self._count_succeeded(df) - durable_before
+        hand_ok = self._count_hand_finished(df) - hand_before
+        if durable_ok != sent["durable"] or hand_ok != sent["by hand"]:
+            raise RuntimeError(f"{label}: {durable_ok} of {sent['durable']} durable runs "
+                               f"succeeded, {hand_ok} of {sent['by hand']} hand-written runs "
+                               "finished")
         tput = {k: s.e2e_tasks / v.median for k, v in walls.items()}
         best = {k: s.e2e_tasks / v.minimum for k, v in walls.items()}
-        factor = tput["plain"] / tput["durable"]
-        extra = (durable.median - plain.median) / s.e2e_tasks
-        rows = [
-            ["plain Celery task", s.e2e_rounds, f"{plain.median:.2f}", f"{tput['plain']:.0f}",
-             f"{best['plain']:.0f}", "1.00x"],
-            ["DurableTask", s.e2e_rounds, f"{durable.median:.2f}", f"{tput['durable']:.0f}",
-             f"{best['durable']:.0f}", ratio(factor)],
-        ]
-        self.section("End to end through Celery", [
-            f"{s.e2e_tasks} tasks of {s.e2e_steps} trivial steps per round, sent to one "
-            "`celery worker --pool prefork --concurrency 2` (2 pool processes) over Redis "
-            "(broker and result backend), wall time from the first send to the last result; "
-            "plain and durable take turns; Celery defaults otherwise (early ack, prefetch 4).",
+        vs_hand = tput["durable"] / tput["by hand"]
+        vs_plain = tput["durable"] / tput["plain"]
+        rows = [[title, len(walls[k]), f"{walls[k].median:.2f}", f"{tput[k]:.0f}",
+                 f"{best[k]:.0f}", ratio(tput["durable"] / tput[k])]
+                for k, title in (("plain", "plain Celery task"),
+                                 ("by hand", "plain task, twelve commits by hand"),
+                                 ("durable", "DurableTask"))]
+        extra = (walls["durable"].median - walls["by hand"].median) / s.e2e_tasks
+        self.results["e2e"][label] = {
+            "tasks": s.e2e_tasks, "steps": s.e2e_steps, "rounds": s.e2e_rounds,
+            "wall_s": {k: v.values for k, v in walls.items()},
+            "tasks_per_s": tput, "durable_over_hand": vs_hand, "durable_over_plain": vs_plain,
+            "checked": {"durable_succeeded": durable_ok, "hand_finished": hand_ok},
+        }
+        target.measured = f"{vs_hand:.2f}x"
+        target.status = "met" if vs_hand >= 0.85 else "NOT met"
+        target.note = (f"{tput['durable']:.0f} vs {tput['by hand']:.0f} tasks/s; durable/plain "
+                       f"{vs_plain:.2f}x")
+        return [
+            f"### {label} ({_redact(broker_url)})",
             "",
             table(["task", "rounds", "median wall s", "tasks/s (median)", "tasks/s (best)",
-                   "plain / this"], rows),
+                   "durable throughput / this"], rows),
             "",
-            f"Durability adds {ms(extra, 2)} ms of wall time per task of {s.e2e_steps} steps "
-            f"({ms(extra / s.e2e_steps, 3)} ms per step) with 2 pool processes.",
-        ])
-        self.results["e2e"] = {"tasks": s.e2e_tasks, "steps": s.e2e_steps,
-                               "rounds": s.e2e_rounds,
-                               "plain_wall_s": plain.values, "durable_wall_s": durable.values,
-                               "plain_tasks_per_s": tput["plain"],
-                               "durable_tasks_per_s": tput["durable"],
-                               "plain_over_durable": factor}
+            f"Durable / hand-written throughput {vs_hand:.2f}x, durable / plain "
+            f"{vs_plain:.2f}x; the DurableTask takes {ms(extra, 2)} ms more wall time per "
+            f"task than writing the same commits by hand, with 2 pool processes. Checked: "
+            f"{durable_ok} durable runs succeeded, {hand_ok} hand-written runs finished.",
+            "",
+        ]
+
+    @staticmethod
+    def _check_values(kind: str, values: list[Any], expected: int) -> None:
+        wrong = [v for v in values if v != expected]
+        if wrong:
+            raise RuntimeError(f"{len(wrong)} {kind} tasks returned {wrong[:3]}")
+
+    def _count_hand_finished(self, df: DuraflowBench) -> int:
+        row = df.admin.execute(
+            f"SELECT count(*) FROM \"{self.prefix}hand_runs\" WHERE status = 'succeeded'"
+        ).fetchone()
+        return int(row[0]) if row else 0
 
     # -- memory -----------------------------------------------------------------------------
 
@@ -941,9 +1007,9 @@ class Harness:
             for name in selected:
                 if name in ("e2e", "memory") and redis_problem:
                     self.section(name, [f"Skipped: {redis_problem}."])
-                    if name in self.targets:
-                        self.targets[name].status = "skipped"
-                        self.targets[name].note = redis_problem
+                    for key in self._targets_of(name):
+                        self.targets[key].status = "skipped"
+                        self.targets[key].note = redis_problem
                     continue
                 started = time.perf_counter()
                 try:
@@ -952,10 +1018,20 @@ class Harness:
                     traceback.print_exc()
                     self.errors.append(f"{name}: {type(exc).__name__}: {exc}")
                     self.section(name, [f"ERROR: {type(exc).__name__}: {exc}"])
-                    if name in self.targets:
-                        self.targets[name].status = "error"
-                        self.targets[name].note = f"{type(exc).__name__}"
+                    for key in self._targets_of(name):
+                        if self.targets[key].status == "not run":
+                            self.targets[key].status = "error"
+                            self.targets[key].note = f"{type(exc).__name__}"
                 log(f"{name}: {time.perf_counter() - started:.1f}s")
+            if self.profile:
+                started = time.perf_counter()
+                try:
+                    self.bench_profile()
+                except Exception as exc:
+                    traceback.print_exc()
+                    self.errors.append(f"profile: {type(exc).__name__}: {exc}")
+                    self.section("Per-attempt profile", [f"ERROR: {type(exc).__name__}: {exc}"])
+                log(f"profile: {time.perf_counter() - started:.1f}s")
         finally:
             self.cleanup()
         rows = [[t.title, t.measured, t.limit, t.status, t.note] for t in self.targets.values()]
@@ -963,6 +1039,20 @@ class Harness:
                                        rows)])
         self.results["targets"] = {k: asdict(v) for k, v in self.targets.items()}
         return 1 if self.errors else 0
+
+    def _targets_of(self, name: str) -> list[str]:
+        """The targets a benchmark sets (``fresh`` also measures the empty task)."""
+        extra = {"fresh": ["empty", "empty_cpu", "statements"], "replay": ["replay_cpu"],
+                 "sqlite": ["sqlite_tx"], "e2e": ["e2e_redis", "e2e_rabbitmq"]}
+        return [k for k in [name, *extra.get(name, [])] if k in self.targets]
+
+    def bench_profile(self) -> None:
+        from .profile import attempt_profile
+
+        lines, data = attempt_profile(self.duraflow, self.sizes.profile_runs,
+                                      self.sizes.profile_traced)
+        self.section("Per-attempt profile", lines)
+        self.results["profile"] = data
 
     def cleanup(self) -> None:
         if self._duraflow is not None:
@@ -982,6 +1072,24 @@ def _opt(value: int | None) -> str:
 
 def _us(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e6:.1f}"
+
+
+def _rabbitmq_problem(url: str) -> str | None:
+    from kombu.connection import Connection
+
+    try:
+        with Connection(url, connect_timeout=3) as conn:  # type: ignore[no-untyped-call]
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:
+        return f"RabbitMQ at {_redact(url)} is unreachable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def _redact(url: str) -> str:
+    """A broker URL without its password."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    return str(maybe_sanitize_url(url))
 
 
 def _redis_problem(url: str) -> str | None:
@@ -1087,6 +1195,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="Redis URL for the worker benchmarks (default: "
                              "$DURAFLOW_BENCH_BROKER_URL, $DURAFLOW_TEST_BROKER_URL, or "
                              "redis://127.0.0.1:6379/9)")
+    parser.add_argument("--rabbitmq-url", default=default_rabbitmq_url(),
+                        help="RabbitMQ URL for the second e2e broker (default: "
+                             "$DURAFLOW_BENCH_RABBITMQ_URL or amqp://guest:guest@127.0.0.1:"
+                             "5672//; '' skips it; skipped with a note when unreachable)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also print the per-attempt profile (python -m benchmarks.profile "
+                             "--attempt): where an empty and a 10-step attempt spend their "
+                             "time")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     selected = _parse_only(args.only)
@@ -1099,7 +1215,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     harness = Harness(database_url=args.database_url, broker_url=args.broker_url,
-                      sizes=QUICK if args.quick else FULL, prefix=new_prefix())
+                      sizes=QUICK if args.quick else FULL, prefix=new_prefix(),
+                      rabbitmq_url=args.rabbitmq_url, profile=args.profile)
     print("# celery-duraflow benchmarks" + (" (quick: sizes too small to mean anything)"
                                             if args.quick else ""))
     started = time.perf_counter()

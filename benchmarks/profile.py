@@ -1,20 +1,32 @@
 """Profile fresh or replayed durable runs with pyinstrument.
 
 ``python -m benchmarks.profile [--steps 100] [--runs 20] [--replay] [--html FILE]``
+``python -m benchmarks.profile --attempt [--runs 300] [--tree]``
 
 Applies the benchmark's durable task in this process, as the ``fresh`` (or ``replay``)
 benchmark does, under pyinstrument's sampling profiler (wall clock, so time spent
 waiting for PostgreSQL shows up as the frames that wait), prints the call tree, and
 prints the share of time spent in a few places that matter for the per-step cost.
 Uses its own tables, dropped at the end.
+
+``--attempt`` splits one attempt instead: wall and CPU time of an empty durable task and
+of a 10-step one, made of Celery's apply machinery (a plain task), each ``Store`` call
+(its wait on PostgreSQL and its client-side time) and the rest of the library, so that a
+change that adds fixed cost to every attempt shows where it went (``python -m benchmarks
+--profile`` prints the same table).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
+import statistics
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from .common import DuraflowBench, default_database_url, drop_prefixed_tables, new_prefix
@@ -45,7 +57,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--anatomy", type=int, default=0, metavar="COUNT",
                         help="instead of profiling, time COUNT single-row writes of growing "
                              "complexity on scratch tables (what a step row costs the server)")
+    parser.add_argument("--attempt", action="store_true",
+                        help="instead of profiling, split one attempt (an empty durable task "
+                             "and a 10-step one) into Celery's apply machinery, each Store "
+                             "call (server wait vs client) and the rest of the library; "
+                             "--runs empty attempts (a third as many 10-step ones)")
+    parser.add_argument("--tree", action="store_true",
+                        help="with --attempt: also print pyinstrument call trees of them")
     args = parser.parse_args(argv)
+    if args.attempt:
+        return _attempt_main(args.database_url, args.runs, args.tree, args.interval)
     if args.anatomy:
         print(anatomy(args.database_url, args.anatomy))
         return 0
@@ -382,6 +403,302 @@ def summarize_collapsed(path: str) -> str:
         lines.append(f"  {count / all_samples:6.1%}  {label}")
     return "\n".join(lines)
 
+
+# -- per attempt ---------------------------------------------------------------------------
+
+# The store calls every attempt makes, in this order in the table; any other Store method
+# that an attempt calls gets a row of its own after them.
+_KEY_CALLS = ("begin_attempt", "record_step", "finish_run")
+
+
+class StoreTimers:
+    """Wall and CPU time of each public ``Store`` method, in this process and thread.
+
+    Installed by replacing the methods on the class at runtime (the benchmark process
+    only; :meth:`remove` puts them back). A store method called from another one counts
+    in its caller's time only. With :attr:`keep_intervals`, the wall-clock interval
+    (``time.time()``) of each call is kept too, to attribute libpq's round trips to it.
+    """
+
+    def __init__(self) -> None:
+        from celery_duraflow._store import Store
+
+        self.cls: Any = Store
+        self.thread = threading.get_ident()
+        self.keep_intervals = False
+        self.calls: dict[str, list[float]] = {}  # name -> [count, wall, cpu]
+        self.intervals: list[tuple[str, float, float]] = []
+        self._local = threading.local()
+        self._originals: dict[str, Any] = {}
+
+    def install(self) -> StoreTimers:
+        seen: set[str] = set()
+        for klass in self.cls.__mro__:
+            if klass is object:
+                continue
+            for name, attr in vars(klass).items():
+                if name in seen:
+                    continue
+                seen.add(name)
+                if name.startswith("_") or not inspect.isfunction(attr):
+                    continue
+                self._originals[name] = vars(self.cls).get(name, _ABSENT)
+                setattr(self.cls, name, self._wrap(name, attr))
+        return self
+
+    def remove(self) -> None:
+        for name, original in self._originals.items():
+            if original is _ABSENT:
+                delattr(self.cls, name)
+            else:
+                setattr(self.cls, name, original)
+        self._originals.clear()
+
+    def reset(self) -> None:
+        self.calls = {}
+        self.intervals = []
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        timers = self
+
+        @functools.wraps(fn)
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            local = timers._local
+            if getattr(local, "busy", False) or threading.get_ident() != timers.thread:
+                return fn(*args, **kwargs)
+            local.busy = True
+            began = time.time()
+            cpu = time.thread_time()
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wall = time.perf_counter() - start
+                used = time.thread_time() - cpu
+                local.busy = False
+                entry = timers.calls.setdefault(name, [0.0, 0.0, 0.0])
+                entry[0] += 1
+                entry[1] += wall
+                entry[2] += used
+                if timers.keep_intervals:
+                    timers.intervals.append((name, began, time.time()))
+
+        return timed_call
+
+
+_ABSENT = object()
+
+
+def attempt_profile(bench: DuraflowBench, runs: dict[int, int],
+                    traced: dict[int, int]) -> tuple[list[str], dict[str, Any]]:
+    """Where one attempt's time goes, for each N in ``runs`` (0: the empty durable task).
+
+    Untraced attempts, durable and plain taking turns, give the wall and CPU time of the
+    whole attempt, of Celery's apply machinery (the plain task: same app, same work, no
+    DurableTask) and of each Store call (wrapped, see :class:`StoreTimers`); medians over
+    the attempts. Traced attempts (libpq's protocol trace with timestamps) then give the
+    time spent waiting on PostgreSQL inside each Store call: a round trip belongs to the
+    call whose interval holds its first message. Client time = wall - that wait.
+    """
+    from .common import RoundTrips, cpu_timed, timed, trace_intervals
+
+    timers = StoreTimers().install()
+    me = threading.get_ident()
+    lines = [
+        "Attempts applied in this process; durable and plain attempts take turns. Wall and "
+        "CPU (time.thread_time()) per attempt, medians; every public Store method is "
+        "wrapped at runtime (a nested Store call counts in its caller). Rest of the "
+        "library = durable attempt - plain task - Store calls. Server wait: libpq trace "
+        "timestamps of separate traced attempts, from a round trip's first message to its "
+        "ReadyForQuery, attributed to the Store call it happened in; client = wall - wait.",
+    ]
+    data: dict[str, Any] = {}
+    try:
+        for n in runs:
+            for _ in range(5):
+                bench.run(n)
+                bench.run_plain(n)
+            attempts: list[dict[str, list[float]]] = []
+            totals: list[tuple[float, float]] = []
+            plain: list[tuple[float, float]] = []
+            for _ in range(runs[n]):
+                timers.reset()
+                totals.append(cpu_timed(lambda n=n: bench.run(n)))  # type: ignore[misc]
+                attempts.append(timers.calls)
+                plain.append(cpu_timed(lambda n=n: bench.run_plain(n)))  # type: ignore[misc]
+            waits: dict[str, float] = {}
+            trips: dict[str, int] = {}
+            # Wall time of the traced attempts: the whole attempt ("") and each Store call.
+            traced_walls: dict[str, float] = {}
+            whole_wait = 0.0
+            timers.keep_intervals = True
+            for _ in range(traced[n]):
+                timers.reset()
+                counter = RoundTrips(bench.engine, timed=True, keep=True)
+                with counter.counting():
+                    wall = timed(lambda n=n: bench.run(n))  # type: ignore[misc]
+                traced_walls[""] = traced_walls.get("", 0.0) + wall
+                for name, (_, call_wall, _) in timers.calls.items():
+                    traced_walls[name] = traced_walls.get(name, 0.0) + call_wall
+                for text in counter.traces[me]:
+                    for first, last in trace_intervals(text):
+                        owner = _owner(timers.intervals, first)
+                        waits[owner] = waits.get(owner, 0.0) + last - first
+                        trips[owner] = trips.get(owner, 0) + 1
+                        whole_wait += last - first
+            timers.keep_intervals = False
+            lines += ["", *_attempt_table(n, attempts, totals, plain,
+                                          Traced(traced[n], traced_walls, waits, trips))]
+            data[str(n)] = {
+                "attempts": len(totals),
+                "durable_wall_s": statistics.median(w for w, _ in totals),
+                "durable_cpu_s": statistics.median(c for _, c in totals),
+                "plain_wall_s": statistics.median(w for w, _ in plain),
+                "plain_cpu_s": statistics.median(c for _, c in plain),
+                "store_calls": {name: {"calls": statistics.median(a.get(name, [0, 0, 0])[0]
+                                                                  for a in attempts),
+                                       "wall_s": statistics.median(a.get(name, [0, 0, 0])[1]
+                                                                   for a in attempts),
+                                       "cpu_s": statistics.median(a.get(name, [0, 0, 0])[2]
+                                                                  for a in attempts),
+                                       "server_wait_s": waits.get(name, 0.0) / traced[n],
+                                       "round_trips": trips.get(name, 0) / traced[n]}
+                                for name in sorted({k for a in attempts for k in a})},
+                "server_wait_s": whole_wait / traced[n],
+            }
+    finally:
+        timers.remove()
+    return lines, data
+
+
+@dataclass
+class Traced:
+    """What the traced attempts of one N measured, summed over them."""
+
+    attempts: int
+    walls: dict[str, float]  # "" is the whole attempt; else a Store method's name
+    waits: dict[str, float]  # server wait per Store method, or "outside Store calls"
+    trips: dict[str, int]
+
+    def wait(self, name: str) -> float:
+        return self.waits.get(name, 0.0) / self.attempts
+
+    def client(self, name: str) -> float:
+        return self.walls.get(name, 0.0) / self.attempts - self.wait(name)
+
+    def round_trips(self, name: str) -> float:
+        return self.trips.get(name, 0) / self.attempts
+
+
+_OUTSIDE = "outside Store calls"
+
+
+def _owner(intervals: list[tuple[str, float, float]], moment: float) -> str:
+    """The Store call whose interval holds ``moment``; else the one within 50 us of it."""
+    for name, began, ended in intervals:
+        if began <= moment <= ended:
+            return name
+    near = [(min(abs(moment - began), abs(moment - ended)), name)
+            for name, began, ended in intervals]
+    distance, name = min(near, default=(1.0, _OUTSIDE))
+    return name if distance <= 50e-6 else _OUTSIDE
+
+
+def _attempt_table(n: int, attempts: list[dict[str, list[float]]],
+                   totals: list[tuple[float, float]], plain: list[tuple[float, float]],
+                   traced: Traced) -> list[str]:
+    median = statistics.median
+    names = [k for k in _KEY_CALLS if any(k in a for a in attempts)]
+    names += sorted({k for a in attempts for k in a} - set(names))
+
+    def part(name: str, index: int) -> float:
+        return median(a.get(name, [0.0, 0.0, 0.0])[index] for a in attempts)
+
+    plain_wall = median(w for w, _ in plain)
+    plain_cpu = median(c for _, c in plain)
+    rest_wall = median(w - sum(v[1] for v in a.values()) - plain_wall
+                       for (w, _), a in zip(totals, attempts, strict=True))
+    rest_cpu = median(c - sum(v[2] for v in a.values()) - plain_cpu
+                      for (_, c), a in zip(totals, attempts, strict=True))
+    whole_wait = sum(traced.waits.values()) / traced.attempts
+    whole_trips = sum(traced.trips.values()) / traced.attempts
+    traced_rest = (traced.walls.get("", 0.0)
+                   - sum(v for k, v in traced.walls.items() if k)) / traced.attempts
+
+    def row(label: str, calls: object, wall: float, cpu: float, wait: float, client: float,
+            rts: float) -> list[object]:
+        return [label, calls, _ms(wall), _ms(cpu), _ms(wait), _ms(client), f"{rts:g}"]
+
+    rows = [row("durable attempt, total (Task.apply)", 1, median(w for w, _ in totals),
+                median(c for _, c in totals), whole_wait,
+                traced.walls.get("", 0.0) / traced.attempts - whole_wait, whole_trips),
+            row("Celery apply machinery (the plain task)", 1, plain_wall, plain_cpu, 0.0,
+                plain_wall, 0)]
+    for name in names:
+        calls = part(name, 0)
+        wall = part(name, 1)
+        label = f"Store.{name}"
+        if name == "record_step" and calls:
+            label += f" ({wall / calls * 1000:.3f} ms per step)"
+        rows.append(row(label, f"{calls:g}", wall, part(name, 2), traced.wait(name),
+                        traced.client(name), traced.round_trips(name)))
+    rows.append(row("rest of the library (total - plain - Store calls)", "-", rest_wall,
+                    rest_cpu, traced.wait(_OUTSIDE),
+                    traced_rest - plain_wall - traced.wait(_OUTSIDE),
+                    traced.round_trips(_OUTSIDE)))
+    title = "empty durable task (no step)" if n == 0 else f"durable task of {n} steps"
+    return [f"{title}: {len(totals)} attempts untraced (wall, CPU: medians), "
+            f"{traced.attempts} traced (server wait, client: means)",
+            "",
+            _table(["part", "calls", "wall ms", "CPU ms", "server wait ms", "client ms",
+                    "round trips"], rows)]
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.3f}"
+
+
+def _table(headers: Sequence[str], rows: list[list[object]]) -> str:
+    from .common import table
+
+    return table(headers, rows)
+
+
+def attempt_tree(bench: DuraflowBench, runs: dict[int, int], interval: float) -> str:
+    """pyinstrument call trees of the attempts (one profile per N), or why not."""
+    try:
+        from pyinstrument import Profiler
+    except ImportError:
+        return "pyinstrument is not installed: pip install -e '.[bench]'"
+    out = []
+    for n, count in runs.items():
+        for _ in range(5):
+            bench.run(n)
+        profiler = Profiler(interval=interval)
+        profiler.start()
+        for _ in range(count):
+            bench.run(n)
+        profiler.stop()
+        out.append(f"# pyinstrument, {count} attempts of {n} steps (divide by {count} for one)")
+        out.append(profiler.output_text(unicode=True, color=False))
+    return "\n".join(out)
+
+
+def _attempt_main(database_url: str, runs: int, tree: bool, interval: float) -> int:
+    prefix = new_prefix()
+    bench = DuraflowBench.create(database_url, prefix)
+    try:
+        sizes = {0: runs, 10: max(1, runs // 3)}
+        lines, _ = attempt_profile(bench, sizes, {n: max(1, c // 5) for n, c in sizes.items()})
+        print("\n".join(lines))
+        if tree:
+            print()
+            print(attempt_tree(bench, {n: max(1, c // 2) for n, c in sizes.items()}, interval))
+    finally:
+        bench.close()
+        bench.engine.dispose()
+        drop_prefixed_tables(bench.conninfo, prefix)
+    return 0
 
 if __name__ == "__main__":
     raise SystemExit(main())
