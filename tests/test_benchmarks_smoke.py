@@ -9,39 +9,89 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.subprocess]
+from benchmarks.common import trace_intervals, trace_statements
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+SECTIONS = (
+    "## Fresh step overhead",
+    "## Empty durable task",
+    "## Replay",
+    "## SQLite",
+    "## WAL per task",
+    "## DBOS side by side",
+    "## End to end through Celery",
+    "### Redis",
+    "### RabbitMQ",
+    "## Memory",
+    "## Per-attempt profile",
+    "## Targets",
+)
 TARGET_TITLES = (
+    "empty durable task: fixed cost of an attempt (durable - plain) / raw durable commit",
+    "empty durable task: client CPU per attempt beyond a plain task",
+    "each statement of start and finish <= 4096 chars",
     "fresh step overhead / raw durable commit",
     "round trips to replay a run of 100 completed steps",
+    "client CPU per replayed step, 100-step replay",
+    "SQLite fresh step overhead / raw BEGIN IMMEDIATE+INSERT+COMMIT",
+    "SQLite transactions per fresh step",
+    "WAL bytes per durable 10-step task / hand-written twelve commits",
     "DBOS per-step overhead / celery-duraflow's",
+    "e2e throughput durable / hand-written twelve commits (Redis)",
+    "e2e throughput durable / hand-written twelve commits (RabbitMQ)",
     "worker RSS growth over 10,000 durable runs",
 )
 
 
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.subprocess
 def test_quick_benchmark_run_prints_every_section_and_the_targets(
     pg_url: str, redis_url: str, tmp_path: Path
 ) -> None:
-    """`python -m benchmarks --quick` completes and prints each section and the targets table."""
+    """`python -m benchmarks --quick --profile` prints every section and a verdict per target."""
     env = dict(os.environ)
     env.update(PYTHONPATH=str(REPO_ROOT), PYTHONUNBUFFERED="1")
     json_path = tmp_path / "results.json"
     completed = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--quick", "--database-url", pg_url,
+        [sys.executable, "-m", "benchmarks", "--quick", "--profile", "--database-url", pg_url,
          "--broker-url", redis_url, "--json", str(json_path)],
         cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
         timeout=180,
     )
     output = completed.stdout
     assert completed.returncode == 0, f"stdout:\n{output}\nstderr:\n{completed.stderr[-4000:]}"
-    for section in ("## Fresh step overhead", "## Replay", "## DBOS side by side",
-                    "## End to end through Celery", "## Memory", "## Targets"):
+    for section in SECTIONS:
         assert section in output, output
     targets = output.split("## Targets", 1)[1]
     for title in TARGET_TITLES:
         line = next((row for row in targets.splitlines() if title in row), None)
         assert line is not None, targets
-        # DBOS may be absent from the test environment: then that target says so.
+        # DBOS may be absent from the test environment, RabbitMQ unreachable: then the
+        # target says it was skipped.
         assert any(v in line for v in ("| met", "| NOT met", "| skipped")), line
     assert json_path.exists()
+
+
+# A libpq protocol trace with timestamps, as psycopg's pgconn.trace() writes it: the SQL
+# text of a Parse message runs over several lines, and may hold quotes.
+_TRACE = (
+    '2026-01-02 10:11:12.000100\tF\t80\tParse\t "" "SELECT "a"\n'
+    "FROM t WHERE x = $1::VARCHAR\" 1 1043\n"
+    '2026-01-02 10:11:12.000110\tF\t40\tBind\t "" "" 0 1 2 \'ab\' 1 0\n'
+    "2026-01-02 10:11:12.000120\tF\t4\tSync\n"
+    "2026-01-02 10:11:12.000900\tB\t4\tParseComplete\n"
+    "2026-01-02 10:11:12.001100\tB\t5\tReadyForQuery\t I\n"
+    '2026-01-02 10:11:12.002000\tF\t20\tQuery\t "COMMIT"\n'
+    "2026-01-02 10:11:12.002500\tB\t5\tReadyForQuery\t I\n"
+)
+
+
+def test_trace_parsing_finds_each_statement_text_and_round_trip() -> None:
+    """The harness reads SQL texts, their parameter counts and round trips from a libpq trace."""
+    sent = trace_statements(_TRACE)
+    assert [(s.text, s.params) for s in sent] == [
+        ('SELECT "a"\nFROM t WHERE x = $1::VARCHAR', 1), ("COMMIT", 0)]
+    intervals = trace_intervals(_TRACE)
+    assert len(intervals) == 2
+    assert [round(end - start, 6) for start, end in intervals] == [0.001, 0.0005]
