@@ -1,26 +1,40 @@
-"""The benchmark harness: ``python -m benchmarks [--quick] [--only NAMES] [--json FILE]``.
+"""The benchmark harness: ``python -m benchmarks [--quick] [--only NAMES] [--profile]``.
 
 Benchmarks (``--only`` takes a comma-separated list of these names):
 
 ``fresh``
     Runs of N trivial steps (N = 1, 10, 100) applied in this process with a new task id
     each time, minus the same task with no step, per step, against a raw psycopg
-    autocommit INSERT of one row (the floor) timed in the same rounds.
+    autocommit INSERT of one row (the floor) timed in the same rounds. In the same rounds,
+    the empty durable task against a plain task of the same app (Celery's own apply):
+    the attempt's fixed cost in wall and CPU time; and the statements of an empty run
+    (length and parameters, against psycopg's conversion cache limits).
 ``replay``
     The same runs re-executed with every step completed (the run row set back to
-    ``running``, as if the worker died after the last step): time, per-step cost, and the
-    SQL round trips of one replay; and the re-delivery of a run that already succeeded.
+    ``running``, as if the worker died after the last step): time, CPU, per-step cost, and
+    the SQL round trips of one replay; and the re-delivery of a run that already succeeded.
+``sqlite``
+    The durable task on an SQLite store (a temporary file): per-step cost against a raw
+    ``BEGIN IMMEDIATE; INSERT; COMMIT`` with the library's settings, and the statements
+    and transactions SQLite runs for an empty and a 10-step run.
+``wal``
+    WAL bytes per durable 10-step task against the same run's twelve commits written by
+    hand, batches after a CHECKPOINT, with ``pg_waldump --stats=record`` of one batch each.
 ``dbos``
     The same N-step workflow in DBOS Transact on the same server, fresh and replayed,
     taking turns with celery-duraflow and the floor in the same rounds.
 ``e2e``
-    Tasks of 10 trivial steps through Redis to a ``celery worker`` (prefork, 2 processes),
-    as DurableTask runs and as plain Celery tasks: throughput of each and the ratio.
+    Tasks of 10 trivial steps through Redis and through RabbitMQ to a ``celery worker``
+    (prefork, 2 processes): plain tasks, plain tasks writing the same twelve commits by
+    hand, and DurableTask runs; throughput of each and the ratios.
 ``memory``
     The RSS of a prefork worker process before and after 10,000 durable runs (and, as a
     baseline, 10,000 plain tasks in the same process first).
 
-Every benchmark ends with the targets of issue 4, printed as met or NOT met.
+``--profile`` adds the per-attempt profile of :func:`benchmarks.profile.attempt_profile`
+(Celery's apply, each Store call, the rest of the library).
+
+Every benchmark ends with the targets of the performance issues, printed as met or NOT met.
 Progress goes to stderr; results go to stdout (and to ``--json FILE``).
 """
 
