@@ -30,6 +30,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    and_,
     false,
     func,
     select,
@@ -84,16 +85,18 @@ def build_tables(prefix: str) -> Tables:
         *_v8_run_columns(),
         *_v10_run_columns(),
         *_v11_run_columns(),
+        postgresql_with={"fillfactor": RUNS_FILLFACTOR},
     )
     steps = _v5_steps(prefix, metadata)
     for column in (*_v7_step_columns(), *_v9_step_columns()):
         steps.append_column(column)
     signals = _v6_signals(prefix, metadata)
-    Index(f"{prefix}runs_status_lease", runs.c.status, runs.c.lease_expires_at)
-    Index(f"{prefix}runs_parent", runs.c.parent_id)
     for name, columns in _v8_indexes(runs):
         Index(name, *columns)
-    _v10_indexes(runs)  # an Index on a table's columns belongs to that table
+    # An Index on a table's columns belongs to that table. Version 12 redefined the
+    # indexes of versions 2, 6 and 10 except the tombstones' one.
+    _pruned_index(runs)
+    _v12_indexes(runs)
     return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps,
                   signals=signals)
 
@@ -244,12 +247,64 @@ def _v10_indexes(runs: Table) -> list[Index]:
     """
     prefix = runs.name.removesuffix("runs")
     live = runs.c.pruned_at.is_(None)
-    pruned = runs.c.pruned_at.is_not(None)
     return [
         Index(f"{prefix}runs_live_status_updated", runs.c.status, runs.c.updated_at,
               postgresql_where=live, sqlite_where=live),
-        Index(f"{prefix}runs_pruned", runs.c.pruned_at,
-              postgresql_where=pruned, sqlite_where=pruned),
+        _pruned_index(runs),
+    ]
+
+
+def _pruned_index(runs: Table) -> Index:
+    """The tombstones, oldest first: only pruned runs have an entry (version 10)."""
+    pruned = runs.c.pruned_at.is_not(None)
+    return Index(f"{runs.name.removesuffix('runs')}runs_pruned", runs.c.pruned_at,
+                 postgresql_where=pruned, sqlite_where=pruned)
+
+
+# The run statuses as version 12 knew them. Written out rather than imported, so that the
+# migration creates the same predicates whatever statuses a later release adds; a new
+# status that ends a run needs a migration that redefines the prune index.
+V12_FINISHED = ("succeeded", "failed", "compensated", "cancelled", "ignored", "rejected",
+                "replaced")
+
+# The fill factor of the runs table from version 12 (PostgreSQL only). Every run row is
+# updated at least once after its insert (when it ends); the room left on each page lets
+# the new row version stay on the old one's page, which makes the update's WAL record
+# smaller (only the changed middle of the row is logged) and, when no indexed column
+# changed, lets the update be HOT (no index entry at all).
+RUNS_FILLFACTOR = 80
+
+
+def _v12_indexes(runs: Table) -> list[Index]:
+    """The run indexes that a run's own writes need not touch, partial since version 12.
+
+    A non-HOT update of a run row (and every update that ends a run is one: its
+    status is indexed) adds an entry for the new row version to every index whose
+    predicate the new version satisfies. Each of these indexes leaves out the rows
+    its queries never look for:
+
+    * the sweep's ``(status, lease_expires_at)``: only runs with a lease expiry. The
+      sweep looks for expiries in the past, and every write that ends a run clears
+      the expiry, so the end of a run adds nothing here. (A run waiting for a signal
+      or a child with no timeout has no expiry: the sweep finds it by status, through
+      ``(status, created_at)``.) The predicate names no value a query passes as a
+      parameter, so a prepared statement's generic plan can use the index too;
+    * ``(parent_id)``: only child runs; a top-level run never has an entry;
+    * prune's ``(status, updated_at)`` of the runs not pruned yet: only runs that
+      have ended, so a new run (running) adds nothing until it ends. Prune asks for
+      one ended status at a time, which implies the predicate.
+    """
+    prefix = runs.name.removesuffix("runs")
+    leased = runs.c.lease_expires_at.is_not(None)
+    child = runs.c.parent_id.is_not(None)
+    prunable = and_(runs.c.pruned_at.is_(None), runs.c.status.in_(V12_FINISHED))
+    return [
+        Index(f"{prefix}runs_status_lease", runs.c.status, runs.c.lease_expires_at,
+              postgresql_where=leased, sqlite_where=leased),
+        Index(f"{prefix}runs_parent", runs.c.parent_id,
+              postgresql_where=child, sqlite_where=child),
+        Index(f"{prefix}runs_live_status_updated", runs.c.status, runs.c.updated_at,
+              postgresql_where=prunable, sqlite_where=prunable),
     ]
 
 
@@ -400,6 +455,26 @@ def _v11_replacements(conn: Connection, tables: Tables) -> None:
         _add_column(conn, f"{prefix}runs", column)
 
 
+def _v12_partial_run_indexes(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    quote = conn.dialect.identifier_preparer.quote
+    runs = Table(f"{prefix}runs", MetaData(), Column("status", String(16)),
+                 Column("updated_at", DateTime(timezone=True)),
+                 Column("lease_expires_at", DateTime(timezone=True)),
+                 Column("parent_id", String(TASK_ID_LENGTH)), *_v10_run_columns())
+    # Same names, narrower predicates: drop each index and build it again. Building
+    # them takes a lock on the runs table for as long as it reads it once per index.
+    for index in _v12_indexes(runs):
+        conn.execute(text(f"DROP INDEX {quote(str(index.name))}"))
+        index.create(conn)
+    if conn.dialect.name == "postgresql":
+        # Applies to the pages written from now on; existing pages keep their rows
+        # until they are updated (a VACUUM FULL would rewrite them all, under a lock
+        # no worker could wait for).
+        conn.execute(text(f"ALTER TABLE {quote(prefix + 'runs')} "
+                          f"SET (fillfactor = {RUNS_FILLFACTOR})"))
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -413,6 +488,8 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
     (9, "how a step's body was left (return, break, continue, fatal)", _v9_body_exits),
     (10, "pruned runs leave a tombstone; prune's partial indexes", _v10_tombstones),
     (11, "replaced runs point to their replacement", _v11_replacements),
+    (12, "partial run indexes that a run's own writes do not touch; runs fill factor",
+     _v12_partial_run_indexes),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 
