@@ -596,11 +596,16 @@ class Harness:
 
     def bench_wal(self) -> None:
         s = self.sizes
-        df = self.duraflow
-        admin = df.admin
-        HandWritten.create_tables(admin, self.prefix)
+        # Tables of this benchmark's own for both kinds, empty at the start: they then hold
+        # as many rows as each other at every batch, so that neither touches more index
+        # pages (and writes more full-page images) because other benchmarks filled its
+        # tables first. The run's prefix starts their names: cleanup() drops them.
+        prefix = f"{self.prefix}wal_"
+        df = DuraflowBench.create(self.database_url, prefix)
+        admin = self.duraflow.admin
+        HandWritten.create_tables(admin, prefix)
         conn = psycopg.connect(self.conninfo, autocommit=True)
-        hand = HandWritten(conn, self.prefix)
+        hand = HandWritten(conn, prefix)
         n = s.wal_steps
 
         def durable() -> None:
@@ -636,6 +641,7 @@ class Harness:
                         dumps[kind] = _waldump_stats(waldump, start, end)
         finally:
             conn.close()
+            df.engine.dispose()
         medians = {k: statistics.median(v) for k, v in per_task.items()}
         factor = medians["durable"] / medians["by hand"] if medians["by hand"] else None
         rows = [[kind, len(values), f"{medians[kind]:.0f}", f"{min(values):.0f}",
@@ -645,7 +651,8 @@ class Harness:
             f"WAL written per task of {n} steps, in this process: the durable task applied "
             f"eagerly, and the same run written by hand ({n + 2} autocommit statements on a "
             "raw psycopg connection into two tables with only their primary keys: INSERT "
-            "the run row, INSERT one row per step, UPDATE the run row). "
+            "the run row, INSERT one row per step, UPDATE the run row); both on tables of "
+            "their own, empty at the start. "
             f"{s.wal_batches} batches of {s.wal_tasks} tasks of each kind, alternating, each "
             "after a CHECKPOINT (both pay for full-page images alike); bytes = "
             "pg_wal_lsn_diff(pg_current_wal_lsn() after, before) / tasks.",
