@@ -840,6 +840,7 @@ class Harness:
             brokers.append(("RabbitMQ", "", "no RabbitMQ URL given"))
         lines: list[str] = []
         self.results["e2e"] = {}
+        failure: Exception | None = None
         for label, url, problem in brokers:
             target = self.targets[f"e2e_{label.lower()}"]
             if problem:
@@ -847,7 +848,15 @@ class Harness:
                 target.status, target.note = "skipped", problem
                 self.results["e2e"][label] = {"skipped": problem}
                 continue
-            lines += self._e2e_on(label, url, target)
+            try:
+                lines += self._e2e_on(label, url, target)
+            except Exception as exc:
+                # The other broker's numbers are still worth printing; the run fails after.
+                traceback.print_exc()
+                failure = failure or exc
+                lines += [f"### {label}", "", f"ERROR: {type(exc).__name__}: {exc}", ""]
+                target.status, target.note = "error", type(exc).__name__
+                self.results["e2e"][label] = {"error": f"{type(exc).__name__}: {exc}"}
         s = self.sizes
         self.section("End to end through Celery", [
             f"{s.e2e_tasks} tasks per round, sent to one `celery worker --pool prefork "
@@ -864,6 +873,8 @@ class Harness:
             "",
             *lines,
         ])
+        if failure is not None:
+            raise failure
 
     def _e2e_on(self, label: str, broker_url: str, target: Target) -> list[str]:
         from .workers import celery_worker
