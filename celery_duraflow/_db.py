@@ -18,9 +18,10 @@ import select as select_module
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import Engine, Select, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
@@ -46,7 +47,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("celery_duraflow.store")
 
 # The parsed form of duraflow_database_url (SQLAlchemy's URL), for the configuration.
-__all__ = ["LIKE_ESCAPE", "URL", "Database", "like_literal", "parse_database_url"]
+__all__ = ["DUPLICATE_KEY", "LIKE_ESCAPE", "URL", "Database", "Executed", "Prepared",
+           "like_literal", "parse_database_url"]
 
 
 def parse_database_url(raw: Any, *, key: str = "duraflow_database_url") -> URL:
@@ -90,12 +92,39 @@ def like_literal(text: str) -> str:
 
 _UNAVAILABLE: tuple[type[Exception], ...] = (
     OperationalError, InterfaceError, DisconnectionError, PoolTimeoutError)
+# A unique key violated by a statement run on the driver's own connection.
+DUPLICATE_KEY: tuple[type[Exception], ...] = ()
 try:  # the hot path runs some statements on the psycopg connection itself
     import psycopg
 
     _UNAVAILABLE += (psycopg.OperationalError, psycopg.InterfaceError)
+    DUPLICATE_KEY += (psycopg.errors.UniqueViolation,)
 except ImportError:  # pragma: no cover - psycopg is a dependency
     pass
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A statement of the attempt's path, built once with bound parameters.
+
+    ``sql`` is the statement compiled once for the driver (PostgreSQL, where
+    it runs on the psycopg connection itself; no expanding IN lists) and
+    ``defaults`` the values of the parameters the statement fixes; both are
+    empty where the statement runs through SQLAlchemy, whose compiled cache
+    then holds it.
+    """
+
+    statement: Any
+    sql: str = ""
+    defaults: dict[str, Any] | None = None
+
+
+class Executed(NamedTuple):
+    """What one prepared statement returned: column names, rows, rows affected."""
+
+    names: Sequence[str]
+    rows: Sequence[Sequence[Any]]
+    rowcount: int
 
 
 def _sqlite_engine_events(engine: Engine) -> None:
@@ -310,25 +339,33 @@ class Database:
         try:
             yield
         except _UNAVAILABLE as exc:
-            where = f" for task {task_id}" if task_id else ""
-            if step_key:
-                where += f", step {step_key!r}"
-            fix = self._permanent(exc)
-            if fix is not None:
-                raise StoreMisconfigured(
-                    f"the step store {self._shown_url} refused the connection while {action}"
-                    f"{where}: {_short(exc)}. Waiting will not change that: {fix}. Nothing was "
-                    "run or recorded.",
-                    task_id=task_id,
-                    step_key=step_key,
-                ) from None
-            raise StoreUnavailable(
-                f"the step store is unavailable while {action}{where}: {_short(exc)}. Nothing "
-                "was run for this step; the attempt can be retried safely (add StoreUnavailable "
-                "to autoretry_for).",
+            error = self._store_error(exc, action, task_id, step_key)
+            if isinstance(error, StoreMisconfigured):
+                raise error from None
+            raise error from exc
+
+    def _store_error(self, exc: BaseException, action: str, task_id: str | None,
+                     step_key: str | None) -> StoreUnavailable | StoreMisconfigured:
+        """The error a connection error while ``action`` becomes (see _unavailable)."""
+        where = f" for task {task_id}" if task_id else ""
+        if step_key:
+            where += f", step {step_key!r}"
+        fix = self._permanent(exc)
+        if fix is not None:
+            return StoreMisconfigured(
+                f"the step store {self._shown_url} refused the connection while {action}"
+                f"{where}: {_short(exc)}. Waiting will not change that: {fix}. Nothing was "
+                "run or recorded.",
                 task_id=task_id,
                 step_key=step_key,
-            ) from exc
+            )
+        return StoreUnavailable(
+            f"the step store is unavailable while {action}{where}: {_short(exc)}. Nothing "
+            "was run for this step; the attempt can be retried safely (add StoreUnavailable "
+            "to autoretry_for).",
+            task_id=task_id,
+            step_key=step_key,
+        )
 
     @contextmanager
     def held_connection(self) -> Iterator[None]:
@@ -361,7 +398,7 @@ class Database:
     def _drop_held(self, *, invalidate: bool) -> None:
         held = self._held
         conn: Connection | None = getattr(held, "conn", None)
-        held.conn = None
+        held.conn = held.cursor = None
         if conn is None:
             return
         try:
@@ -374,11 +411,23 @@ class Database:
     @contextmanager
     def _connect(self) -> Iterator[Connection]:
         """A connection for one statement: the thread's held one, or one from the pool."""
-        held = self._held
-        if not getattr(held, "depth", 0):
+        conn = self._held_conn()
+        if conn is None:
             with self.engine.connect() as pooled:
                 yield pooled
             return
+        try:
+            yield conn
+        except _UNAVAILABLE:
+            self._drop_held(invalidate=True)
+            raise
+
+    def _held_conn(self) -> Connection | None:
+        """The thread's held connection, checked (and replaced if the server closed it);
+        None outside :meth:`held_connection`."""
+        held = self._held
+        if not getattr(held, "depth", 0):
+            return None
         engine = self.engine
         conn: Connection | None = getattr(held, "conn", None)
         if conn is not None and (conn.closed or conn.invalidated
@@ -389,11 +438,35 @@ class Database:
         if conn is None:
             conn = engine.connect()
             held.conn, held.engine = conn, engine
-        try:
-            yield conn
-        except _UNAVAILABLE:
-            self._drop_held(invalidate=True)
-            raise
+            driver: Any = conn.connection.driver_connection
+            held.cursor = driver.cursor()
+        return conn
+
+    def write_prepared(self, prepared: Prepared, params: dict[str, Any], action: str,
+                       task_id: str, step_key: str | None = None) -> Executed:
+        """One prepared write, durable when it returns: :meth:`_write` and :meth:`execute`
+        in one call, without their layers on the attempt's held PostgreSQL connection.
+
+        That is the path of every step record, where each layer of context
+        managers costs a few microseconds of the step's fixed cost.
+        """
+        if not self._schema_ready:
+            self.ensure_schema(task_id, step_key)
+        if prepared.sql:
+            try:
+                conn = self._held_conn()
+                if conn is not None:
+                    cursor = self._held.cursor
+                    cursor.execute(prepared.sql, {**(prepared.defaults or {}), **params})
+                    return _executed(cursor)
+            except _UNAVAILABLE as exc:
+                self._drop_held(invalidate=True)
+                error = self._store_error(exc, action, task_id, step_key)
+                if isinstance(error, StoreMisconfigured):
+                    raise error from None
+                raise error from exc
+        with self._write(action, task_id, step_key) as conn:
+            return self.execute(conn, prepared, params)
 
     @contextmanager
     def _write(self, action: str, task_id: str | None = None,
@@ -480,9 +553,45 @@ class Database:
         """
         if self.dialect != "postgresql":
             return
-        self.ensure_schema(task_id, step_key)
-        with self._unavailable("checking the connection", task_id, step_key), self._connect():
-            pass
+        if not self._schema_ready:
+            self.ensure_schema(task_id, step_key)
+        with self._unavailable("checking the connection", task_id, step_key):
+            try:
+                if self._held_conn() is not None:
+                    return
+            except _UNAVAILABLE:
+                self._drop_held(invalidate=True)
+                raise
+            with self._connect():
+                pass
+
+    def prepare(self, statement: Any) -> Prepared:
+        """Build what executing ``statement`` many times needs, once.
+
+        On PostgreSQL the statement is compiled here to the driver's SQL text,
+        so an execution costs psycopg's own parameter handling and nothing of
+        SQLAlchemy's; psycopg keeps the converted query while its text is at
+        most 4,096 characters, and prepares it on the server after a few
+        executions.
+        """
+        if not self.driver_statements:
+            return Prepared(statement)
+        compiled = statement.compile(dialect=self.engine.dialect)
+        required = {key: None for key, bind in compiled.binds.items() if bind.required}
+        return Prepared(statement, compiled.string, compiled.construct_params(required))
+
+    def execute(self, conn: Connection, prepared: Prepared,
+                params: dict[str, Any]) -> Executed:
+        """Run a prepared statement on ``conn`` (inside ``_write`` or ``_read``)."""
+        if prepared.sql:
+            driver: Any = conn.connection.driver_connection
+            return _executed(driver.execute(prepared.sql,
+                                            {**(prepared.defaults or {}), **params}))
+        result = conn.execute(prepared.statement, params)
+        if not result.returns_rows:
+            return Executed((), (), result.rowcount)
+        rows = result.all()
+        return Executed(list(result.keys()), rows, result.rowcount)
 
     def _insert(self, table: Any) -> Any:
         dialect = postgresql if self.dialect == "postgresql" else sqlite
@@ -503,6 +612,17 @@ _PERMANENT = (
     ("invalid dsn", "fix duraflow_database_url"),
     ("invalid connection option", "fix the options in duraflow_database_url"),
 )
+
+
+def _executed(cursor: Any) -> Executed:
+    """What a psycopg cursor's last statement returned."""
+    result = cursor.pgresult
+    if result is None or not result.nfields:
+        return Executed((), (), cursor.rowcount)
+    # The names straight from the result: cursor.description would build a column
+    # object, with its type looked up, for each of them.
+    names = [result.fname(i).decode() for i in range(result.nfields)]
+    return Executed(names, cursor.fetchall(), cursor.rowcount)
 
 
 def _short(exc: BaseException) -> str:

@@ -7,6 +7,8 @@ The statuses, wait kinds and body exits are the only values those columns hold.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, Literal, TypeVar, get_args
@@ -166,6 +168,40 @@ def from_columns(cls: type[_R], m: Any, prefix: str = "",
         value = m[prefix + names.get(name, name)]
         values[name] = as_utc(value) if isinstance(value, datetime) else value
     return cls(**values)
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(record: str, names: tuple[str, ...], prefix: str,
+               renamed: tuple[tuple[str, str], ...]) -> tuple[int, ...]:
+    columns = dict(renamed)
+    where = {name: i for i, name in enumerate(names)}
+    return tuple(where[prefix + columns.get(name, name)] for name in _FIELDS[record])
+
+
+def reader(cls: type[_R], names: Sequence[str], prefix: str = "",
+           columns: dict[str, str] | None = None) -> Callable[[Sequence[Any]], _R]:
+    """Turn rows whose columns are ``names`` into records, finding each column once.
+
+    For result sets read straight from the driver, where a record per row is
+    built many times over (a replay reads every step of a run): the positions
+    are looked up once per result, not once per row and field.
+    """
+    positions = _positions(cls.__name__, tuple(names), prefix,
+                           tuple(sorted(columns.items())) if columns else ())
+    build: Any = cls
+
+    def read(row: Sequence[Any]) -> _R:
+        record: _R = build(*[as_utc(value) if isinstance(value, datetime) else value
+                             for value in map(row.__getitem__, positions)])
+        return record
+
+    return read
+
+
+# Each record type's fields, in the order its constructor takes them.
+_FIELDS: dict[str, tuple[str, ...]] = {
+    cls.__name__: tuple(field.name for field in dataclasses.fields(cls))
+    for cls in (RunRecord, StepRecord, SignalRecord)}
 
 
 def utc_now() -> datetime:

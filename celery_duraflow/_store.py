@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -24,15 +25,17 @@ from sqlalchemy import (
     exists,
     func,
     literal,
+    literal_column,
     null,
     or_,
     select,
     true,
+    union_all,
     update,
 )
 
 from ._config import Config
-from ._db import LIKE_ESCAPE, like_literal
+from ._db import DUPLICATE_KEY, LIKE_ESCAPE, Prepared, like_literal
 from ._lease import machine_id
 from ._records import (
     BODY_BREAK,
@@ -64,6 +67,7 @@ from ._records import (
     StepRecord,
     StepStatus,
     WaitKind,
+    reader,
     utc_now,
 )
 from ._waits_store import WaitStatements
@@ -118,69 +122,171 @@ class Store(WaitStatements):
 
     def begin_attempt(self, task_id: str,
                       delivery: Delivery) -> tuple[RunRecord, dict[str, StepRecord] | None]:
-        """Record an attempt and take the run's lease; on PostgreSQL, load its steps too.
+        """Record an attempt and take the run's lease, and load its steps, in one go.
 
         The run's row is always returned; the caller compares ``lease_owner``
         with its own identity to learn whether it got the lease. A run that
         already succeeded, a pruned run's tombstone, a run leased to a live
         owner, and a run recorded with other arguments or under another task
-        name are returned unchanged. On PostgreSQL the same round trip returns the run's
-        recorded steps when the lease was taken (a data-modifying CTE joined
-        to the steps); elsewhere, and when the lease was not taken, the steps
-        are ``None``.
+        name are returned unchanged, and its steps are ``None``. When the lease
+        was taken the run's recorded steps come with it: on PostgreSQL in the
+        same statement (a data-modifying CTE joined to the steps), on SQLite in
+        the same transaction.
         """
-        runs = self.tables.runs
         now = utc_now()
-        expires = now + timedelta(seconds=self.config.lease_seconds)
-        fingerprint_ok = (
-            true() if delivery.args_fingerprint is None
-            else or_(runs.c.args_fingerprint.is_(None),
-                     runs.c.args_fingerprint == delivery.args_fingerprint)
-        )
-        acquire = and_(
-            runs.c.status.not_in(NOT_RERUN),
-            # A pruned run's tombstone is never run again: its steps are gone.
-            runs.c.pruned_at.is_(None),
-            runs.c.task_name == delivery.task_name,
-            fingerprint_ok,
-            or_(runs.c.lease_owner.is_(None), runs.c.lease_expires_at < now,
-                runs.c.lease_owner == delivery.owner),
-        )
-        values = self._acquired_values(delivery, now, expires)
-        stmt = (
-            self._insert(runs)
-            .values(task_id=task_id, created_at=now, recoveries=0,
-                    **{**values, "attempts": 1, "args": delivery.args,
-                       "args_fingerprint": delivery.args_fingerprint, "interrupted": False,
-                       "code_fingerprint": delivery.code_fingerprint, "error": None})
-        )
-        stmt = stmt.on_conflict_do_update(
-            index_elements=[runs.c.task_id],
-            set_={name: case((acquire, value), else_=runs.c[name])
-                  for name, value in values.items()},
-        ).returning(*runs.c)
-        if not self.modifying_ctes:
+        params = {"p_task_id": task_id, "p_task_name": delivery.task_name,
+                  "p_lease_owner": delivery.owner, "p_updated_at": now,
+                  "p_lease_expires_at": now + timedelta(seconds=self.config.lease_seconds),
+                  "p_args": delivery.args, "p_args_fingerprint": delivery.args_fingerprint,
+                  "p_exchange": delivery.exchange, "p_routing_key": delivery.routing_key,
+                  "p_code_fingerprint": delivery.code_fingerprint,
+                  "p_retries": delivery.retries}
+        statements = self._attempt_statements
+        if self.modifying_ctes:
+            names, rows, _ = self.write_prepared(statements["begin"], params,
+                                                 "starting an attempt", task_id)
+        else:
             with self._write("starting an attempt", task_id) as conn:
-                row = conn.execute(stmt).one()
-            return RunRecord.from_row(row), None
-
-        steps = self.tables.steps
-        attempt = stmt.cte("attempt")
-        query = (
-            select(attempt, *[c.label(f"step_{c.name}") for c in steps.c])
-            .select_from(attempt.outerjoin(steps, and_(
-                steps.c.task_id == attempt.c.task_id,
-                attempt.c.lease_owner == delivery.owner)))
-            .order_by(*self._step_order)
-        )
-        with self._write("starting an attempt", task_id) as conn:
-            rows = conn.execute(query).all()
-        run = RunRecord.from_row(rows[0])
+                names, rows, _ = self.execute(conn, statements["begin"], params)
+                if rows and rows[0][names.index("lease_owner")] == delivery.owner:
+                    loaded = self.execute(conn, statements["steps"], {"p_task_id": task_id})
+                    return (reader(RunRecord, names)(rows[0]),
+                            self._steps_by_key(loaded.names, loaded.rows))
+        if not rows:
+            # Another delivery inserted the row after this statement's snapshot was
+            # taken, so its upsert saw the row but its read of the current row did not.
+            current = self.get_run(task_id, pruned=True)
+            assert current is not None  # the upsert conflicted with it
+            return current, None
+        run = reader(RunRecord, names)(rows[0])
         if run.lease_owner != delivery.owner:
             return run, None
-        loaded = [StepRecord.from_mapping(row._mapping, prefix="step_")
-                  for row in rows if row._mapping["step_step_key"] is not None]
-        return run, {record.key: record for record in loaded}
+        key = names.index("step_step_key")
+        return run, self._steps_by_key(names, [row for row in rows if row[key] is not None],
+                                       prefix="step_")
+
+    @staticmethod
+    def _steps_by_key(names: Sequence[str], rows: Sequence[Sequence[Any]],
+                      prefix: str = "") -> dict[str, StepRecord]:
+        read = reader(StepRecord, names, prefix, {"key": "step_key"})
+        return {record.key: record for record in map(read, rows)}
+
+    @functools.cached_property
+    def _attempt_statements(self) -> dict[str, Prepared]:
+        """The start and finish of an attempt, built once with bound parameters.
+
+        The start is an upsert of the run's row that takes the lease only where
+        the run may be taken (``acquire``, written once, in the upsert's WHERE).
+        Where it may not, the upsert changes nothing but still locks the row, and
+        on PostgreSQL the same statement reads the row as it is now (a locking
+        read, which sees the newest committed version) and joins the steps of a
+        run it took.
+        """
+        runs, steps = self.tables.runs, self.tables.steps
+
+        def param(name: str) -> Any:
+            return bindparam(f"p_{name}", type_=runs.c[name].type)
+
+        now = param("updated_at")
+        insert_ = self._insert(runs).values(
+            task_id=param("task_id"), task_name=param("task_name"), status=RUNNING,
+            attempts=1, created_at=now, updated_at=now, lease_owner=param("lease_owner"),
+            lease_expires_at=param("lease_expires_at"), args=param("args"),
+            args_fingerprint=param("args_fingerprint"), exchange=param("exchange"),
+            routing_key=param("routing_key"), code_fingerprint=param("code_fingerprint"),
+            retries=param("retries"), recoveries=0, interrupted=False)
+        new = insert_.excluded
+        acquire = and_(
+            *[runs.c.status != status for status in NOT_RERUN],
+            # A pruned run's tombstone is never run again: its steps are gone.
+            runs.c.pruned_at.is_(None),
+            runs.c.task_name == new.task_name,
+            or_(new.args_fingerprint.is_(None), runs.c.args_fingerprint.is_(None),
+                runs.c.args_fingerprint == new.args_fingerprint),
+            or_(runs.c.lease_owner.is_(None), runs.c.lease_expires_at < new.updated_at,
+                runs.c.lease_owner == new.lease_owner),
+        )
+        taken = {
+            "status": new.status,
+            "attempts": runs.c.attempts + literal_column("1"),
+            # A run being unwound keeps the error that made it fail until it ends.
+            "error": case((runs.c.unwinding.is_(None), null()), else_=runs.c.error),
+            "finished_at": null(),
+            "updated_at": new.updated_at,
+            "lease_owner": new.lease_owner,
+            "lease_expires_at": new.lease_expires_at,
+            "args": func.coalesce(runs.c.args, new.args),
+            "args_fingerprint": func.coalesce(runs.c.args_fingerprint,
+                                              new.args_fingerprint),
+            "exchange": new.exchange,
+            "routing_key": new.routing_key,
+            # The code the run started under (a child run recorded by its parent has
+            # none).
+            "code_fingerprint": func.coalesce(runs.c.code_fingerprint,
+                                              new.code_fingerprint),
+            "retries": new.retries,
+            # A run that slept or waited is running again.
+            "wait_kind": null(),
+            "waiting_for": null(),
+            "wake_at": null(),
+            # Taking the run from another owner that never let go of it means that
+            # owner died (or froze) mid-attempt.
+            "interrupted": or_(runs.c.interrupted,
+                               and_(runs.c.lease_owner.is_not(None),
+                                    runs.c.lease_owner != new.lease_owner)),
+        }
+        if self.modifying_ctes:
+            upsert = insert_.on_conflict_do_update(
+                index_elements=[runs.c.task_id], set_=taken, where=acquire)
+        else:
+            # SQLite: every column keeps its value unless the run may be taken, so the
+            # upsert always returns the row, taken or not, in one statement (the long
+            # text costs nothing here: compiled and parsed once, then cached).
+            upsert = insert_.on_conflict_do_update(
+                index_elements=[runs.c.task_id],
+                set_={name: case((acquire, value), else_=runs.c[name])
+                      for name, value in taken.items()})
+        ordered = select(steps).where(steps.c.task_id == param("task_id")).order_by(
+            *self._step_order)
+        finish = (
+            update(runs)
+            .where(runs.c.task_id == param("task_id"),
+                   runs.c.lease_owner == bindparam("p_owner", type_=runs.c.lease_owner.type),
+                   runs.c.status != SUCCEEDED)
+            .values(status=param("status"), result=param("result"),
+                    serializer=param("serializer"), error=param("error"), updated_at=now,
+                    finished_at=now, lease_owner=None, lease_expires_at=None,
+                    interrupted=False, unwinding=None)
+        )
+        statements = {"finish": self.prepare(finish)}
+        if not self.modifying_ctes:
+            statements.update(begin=self.prepare(upsert.returning(*runs.c)),
+                              steps=self.prepare(ordered))
+            return statements
+        # The runs columns are selected as *: in the upsert's RETURNING and the locking
+        # read they are the same table's, and naming each of them in every part of the
+        # statement would make it three times longer than psycopg keeps converted.
+        every: Any = literal_column("*")
+        attempt = upsert.returning(every).cte("attempt")
+        row = runs.alias("r")
+        # Only where the upsert took nothing: the row it locked, as committed now.
+        locked = (select(every).select_from(row)
+                  .where(row.c.task_id == param("task_id"),
+                         ~select(literal_column("1")).select_from(attempt).exists())
+                  .with_for_update(read=True, key_share=True).cte("locked"))
+        run = union_all(select(every).select_from(attempt),
+                        select(every).select_from(locked)).subquery("run")
+        step_row = steps.alias("s")
+        begin = (
+            select(literal_column("run.*"),
+                   *[c.label(f"step_{c.name}") for c in step_row.c])
+            .select_from(run.join(step_row, and_(
+                step_row.c.task_id == literal_column("run.task_id"),
+                literal_column("run.lease_owner") == param("lease_owner")), isouter=True))
+            .order_by(step_row.c.started_at, step_row.c.position, step_row.c.step_key)
+        )
+        statements["begin"] = self.prepare(begin)
+        return statements
 
     def _acquired_values(self, delivery: Delivery, now: datetime,
                          expires: datetime) -> dict[str, Any]:
@@ -236,18 +342,11 @@ class Store(WaitStatements):
     def finish_run(self, task_id: str, owner: str, status: RunStatus, *, result: str | None = None,
                    serializer: str | None = None, error: str | None = None) -> bool:
         """Record the end of a run and drop its lease; False if this owner lost the lease."""
-        runs = self.tables.runs
-        now = utc_now()
-        stmt = (
-            update(runs)
-            .where(runs.c.task_id == task_id, runs.c.lease_owner == owner,
-                   runs.c.status != SUCCEEDED)
-            .values(status=status, result=result, serializer=serializer, error=error,
-                    updated_at=now, finished_at=now, lease_owner=None, lease_expires_at=None,
-                    interrupted=False, unwinding=None)
-        )
-        with self._write(f"recording the run as {status}", task_id) as conn:
-            return bool(conn.execute(stmt).rowcount)
+        params = {"p_task_id": task_id, "p_owner": owner, "p_status": status,
+                  "p_result": result, "p_serializer": serializer, "p_error": error,
+                  "p_updated_at": utc_now()}
+        return self.write_prepared(self._attempt_statements["finish"], params,
+                                   f"recording the run as {status}", task_id).rowcount > 0
 
     def update_arguments(self, task_id: str, owner: str, args: str | None,
                          fingerprint: str | None) -> bool:
@@ -459,12 +558,15 @@ class Store(WaitStatements):
         with self._write("recording that the run cannot be sent", run.task_id) as conn:
             return bool(conn.execute(stmt).rowcount)
 
-    def get_run(self, task_id: str) -> RunRecord | None:
-        """The run's row; None if there is none, or only the tombstone prune left."""
+    def get_run(self, task_id: str, *, pruned: bool = False) -> RunRecord | None:
+        """The run's row; None if there is none, or only the tombstone prune left
+        (unless ``pruned``: then the tombstone too)."""
         runs = self.tables.runs
+        query = select(runs).where(runs.c.task_id == task_id)
+        if not pruned:
+            query = query.where(runs.c.pruned_at.is_(None))
         with self._read("reading a run", task_id) as conn:
-            row = conn.execute(select(runs).where(runs.c.task_id == task_id,
-                                                  runs.c.pruned_at.is_(None))).first()
+            row = conn.execute(query).first()
         return RunRecord.from_row(row) if row is not None else None
 
     # -- steps ---------------------------------------------------------------------------
@@ -552,12 +654,14 @@ class Store(WaitStatements):
                  "started_at", "completed_at", "position", "input_fingerprint",
                  "code_fingerprint", "body_exit", "returned"]
         # A step with no row yet (every step of a first attempt) is one plain insert; the
-        # upsert is only needed where a failed or claimed row exists.
-        insert_new = from_params(ended, fence).on_conflict_do_nothing(
-            index_elements=[steps.c.task_id, steps.c.step_key])
-        # Where rowcount reports the inserted rows it says; elsewhere RETURNING tells.
+        # upsert is only needed where a failed or claimed row exists. On PostgreSQL it has
+        # no ON CONFLICT clause: a row that appeared meanwhile is a duplicate-key error
+        # (record_step's False), and the common case writes no speculative-insertion
+        # record to the WAL. Elsewhere a conflict inserts nothing and RETURNING tells.
+        insert_new = from_params(ended, fence)
         statements["record_new"] = (
-            insert_new if self.insert_rowcount else insert_new.returning(steps.c.task_id))
+            insert_new if self.insert_rowcount else insert_new.on_conflict_do_nothing(
+                index_elements=[steps.c.task_id, steps.c.step_key]).returning(steps.c.task_id))
         for name, condition in (("record", fence), ("record_relaxed", and_(fence, relaxed))):
             insert_ = from_params([*ended, "error"], condition)
             excluded = insert_.excluded
@@ -583,20 +687,10 @@ class Store(WaitStatements):
         return statements
 
     @functools.cached_property
-    def _compiled_records(self) -> dict[str, tuple[str, dict[str, Any]]]:
-        """The step-end statements compiled once to SQL text, for PostgreSQL.
-
-        Executing them straight on the pooled psycopg connection skips
-        SQLAlchemy's per-execution work (cache key, parameter processing,
-        result wrapping): about a tenth of a millisecond per step, a third of
-        the cost of the commit itself. The SQL is still SQLAlchemy Core's.
-        """
-        compiled_records = {}
-        for name in ("record_new", "record", "record_relaxed"):
-            compiled = self._step_statements[name].compile(dialect=self.engine.dialect)
-            required = {key: None for key, bind in compiled.binds.items() if bind.required}
-            compiled_records[name] = (compiled.string, compiled.construct_params(required))
-        return compiled_records
+    def _prepared_records(self) -> dict[str, Prepared]:
+        """The step-end statements, prepared once (see :meth:`Database.prepare`)."""
+        return {name: self.prepare(self._step_statements[name])
+                for name in ("record_new", "record", "record_relaxed")}
 
     def claim_step(self, task_id: str, step_key: str, owner: str,
                    prior: StepRecord | None, *, position: int | None = None) -> StepRecord | None:
@@ -656,15 +750,14 @@ class Store(WaitStatements):
             durable) else "record_relaxed"
         action = {STEP_COMPLETED: "recording the step output",
                   STEP_WAITING: "recording the wait"}.get(status, "recording the step failure")
-        with self._write(action, task_id, step_key) as conn:
-            if self.driver_statements:
-                sql, defaults = self._compiled_records[name]
-                driver: Any = conn.connection.driver_connection
-                cursor = driver.execute(sql, {**defaults, **params})
-                if name == "record_new":
-                    return bool(cursor.rowcount == 1)
-                return cursor.fetchone() is not None
-            return conn.execute(self._step_statements[name], params).first() is not None
+        try:
+            done = self.write_prepared(self._prepared_records[name], params, action, task_id,
+                                       step_key)
+        except DUPLICATE_KEY:
+            return False  # the row appeared since the attempt read the steps
+        if name == "record_new" and self.insert_rowcount:
+            return done.rowcount == 1
+        return bool(done.rows)
 
 
 _stores: dict[tuple[Any, ...], Store] = {}
