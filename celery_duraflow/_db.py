@@ -285,7 +285,10 @@ class Database:
                 self._engine_pid = None
 
     def close(self) -> None:
-        """Close every pooled connection (tests, shutdown)."""
+        """Close every pooled connection, and the one this thread keeps (tests, shutdown)."""
+        if getattr(self._held, "conn", None) is not None and not getattr(
+                self._held, "depth", 0) and self._held.pid == os.getpid():
+            self._drop_held(invalidate=False)
         with self._lock:
             if self._engine is not None:
                 self._engine.dispose()
@@ -381,6 +384,13 @@ class Database:
         A worker therefore holds one connection per running attempt; size
         ``pool_size`` in ``duraflow_engine_options`` to the worker's concurrency
         when it runs more than five attempts at once in one process.
+
+        The main thread keeps its connection after the block, for its next
+        attempt: a prefork or solo worker process runs every task there, one
+        after the other, and a check-out and check-in of a pooled connection
+        per task costs about a tenth of an empty attempt's client time. Every
+        other thread (a thread or greenlet pool's, which may not live long)
+        gives it back when its outermost block ends.
         """
         if self.dialect != "postgresql":
             yield
@@ -392,7 +402,7 @@ class Database:
             yield
         finally:
             held.depth = depth
-            if depth == 0:
+            if depth == 0 and threading.current_thread() is not threading.main_thread():
                 self._drop_held(invalidate=False)
 
     def _drop_held(self, *, invalidate: bool) -> None:
@@ -430,6 +440,12 @@ class Database:
             return None
         engine = self.engine
         conn: Connection | None = getattr(held, "conn", None)
+        if conn is not None and held.pid != os.getpid():
+            # Inherited across a fork with the main thread's memory: the connection is
+            # the parent's. Forget it without a word to the server (closing it would
+            # end the parent's session); psycopg does not close it when collected.
+            held.conn = held.cursor = None
+            conn = None
         if conn is not None and (conn.closed or conn.invalidated
                                  or getattr(held, "engine", None) is not engine
                                  or _hung_up(conn.connection.driver_connection)):
@@ -437,7 +453,7 @@ class Database:
             conn = None
         if conn is None:
             conn = engine.connect()
-            held.conn, held.engine = conn, engine
+            held.conn, held.engine, held.pid = conn, engine, os.getpid()
             driver: Any = conn.connection.driver_connection
             held.cursor = driver.cursor()
         return conn
@@ -458,7 +474,7 @@ class Database:
                 if conn is not None:
                     cursor = self._held.cursor
                     cursor.execute(prepared.sql, {**(prepared.defaults or {}), **params})
-                    return _executed(cursor)
+                    return _executed(cursor, prepared)
             except _UNAVAILABLE as exc:
                 self._drop_held(invalidate=True)
                 error = self._store_error(exc, action, task_id, step_key)
@@ -586,7 +602,7 @@ class Database:
         if prepared.sql:
             driver: Any = conn.connection.driver_connection
             return _executed(driver.execute(prepared.sql,
-                                            {**(prepared.defaults or {}), **params}))
+                                            {**(prepared.defaults or {}), **params}), prepared)
         result = conn.execute(prepared.statement, params)
         if not result.returns_rows:
             return Executed((), (), result.rowcount)
@@ -614,15 +630,23 @@ _PERMANENT = (
 )
 
 
-def _executed(cursor: Any) -> Executed:
-    """What a psycopg cursor's last statement returned."""
+def _executed(cursor: Any, prepared: Prepared) -> Executed:
+    """What a psycopg cursor's last statement (``prepared``) returned."""
     result = cursor.pgresult
     if result is None or not result.nfields:
         return Executed((), (), cursor.rowcount)
-    # The names straight from the result: cursor.description would build a column
-    # object, with its type looked up, for each of them.
-    names = [result.fname(i).decode() for i in range(result.nfields)]
+    # The names straight from the result (cursor.description would build a column
+    # object, with its type looked up, for each of them), once per statement and
+    # width: a statement that selects * is wider once a migration added a column.
+    key = (prepared.sql, result.nfields)
+    names = _NAMES.get(key)
+    if names is None:
+        names = _NAMES[key] = tuple(result.fname(i).decode() for i in range(result.nfields))
     return Executed(names, cursor.fetchall(), cursor.rowcount)
+
+
+# The column names each prepared statement's results have had (see _executed).
+_NAMES: dict[tuple[str, int], tuple[str, ...]] = {}
 
 
 def _short(exc: BaseException) -> str:

@@ -71,6 +71,10 @@ def _bytecode_fingerprint(code: types.CodeType) -> str:
 def code_fingerprint(fn: Any) -> str | None:
     """A fingerprint of a function's code, or None for callables without Python code."""
     target = getattr(fn, "__func__", fn)
+    code = getattr(target, "__code__", None)
+    if code is not None and getattr(target, "__wrapped__", None) is None:
+        # A plain function (most tasks and step functions): no unwrapping to do.
+        return _code_fingerprint(code) if isinstance(code, types.CodeType) else None
     with contextlib.suppress(ValueError):  # a cycle of __wrapped__
         target = inspect.unwrap(target)
     code = getattr(target, "__code__", None)

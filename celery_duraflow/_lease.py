@@ -20,7 +20,6 @@ import os
 import socket
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,9 +46,16 @@ def machine_id() -> str:
 
 
 def new_owner() -> str:
-    """A fresh owner identity for one attempt."""
-    host = socket.gethostname().replace("|", "_")[:80]
-    return f"{host}|{machine_id()}|{os.getpid()}|{uuid.uuid4().hex[:12]}"
+    """A fresh owner identity for one attempt: host, machine, process, 12 random hex digits."""
+    pid = os.getpid()
+    if _owner_prefix[0] != pid:  # once per process (a forked worker child is another)
+        host = socket.gethostname().replace("|", "_")[:80]
+        _owner_prefix[:] = [pid, f"{host}|{machine_id()}|{pid}|"]
+    return f"{_owner_prefix[1]}{os.urandom(6).hex()}"
+
+
+# The process the owner prefix was made in, and the prefix.
+_owner_prefix: list[object] = [None, ""]
 
 
 def owner_is_gone(owner: str | None) -> bool:

@@ -179,16 +179,24 @@ def _positions(record: str, names: tuple[str, ...], prefix: str,
 
 
 def reader(cls: type[_R], names: Sequence[str], prefix: str = "",
-           columns: dict[str, str] | None = None) -> Callable[[Sequence[Any]], _R]:
+           columns: dict[str, str] | None = None,
+           aware: bool = False) -> Callable[[Sequence[Any]], _R]:
     """Turn rows whose columns are ``names`` into records, finding each column once.
 
     For result sets read straight from the driver, where a record per row is
     built many times over (a replay reads every step of a run): the positions
-    are looked up once per result, not once per row and field.
+    are looked up once per result, not once per row and field. ``aware``: the
+    driver already returns zone-aware timestamps (psycopg), so none is fixed.
     """
     positions = _positions(cls.__name__, tuple(names), prefix,
                            tuple(sorted(columns.items())) if columns else ())
     build: Any = cls
+    if aware:
+        def read_aware(row: Sequence[Any]) -> _R:
+            record: _R = build(*map(row.__getitem__, positions))
+            return record
+
+        return read_aware
 
     def read(row: Sequence[Any]) -> _R:
         record: _R = build(*[as_utc(value) if isinstance(value, datetime) else value

@@ -158,17 +158,17 @@ class Store(WaitStatements):
             current = self.get_run(task_id, pruned=True)
             assert current is not None  # the upsert conflicted with it
             return current, None
-        run = reader(RunRecord, names)(rows[0])
+        run = reader(RunRecord, names, aware=self.driver_statements)(rows[0])
         if run.lease_owner != delivery.owner:
             return run, None
         key = names.index("step_step_key")
         return run, self._steps_by_key(names, [row for row in rows if row[key] is not None],
-                                       prefix="step_")
+                                       prefix="step_", aware=True)
 
     @staticmethod
     def _steps_by_key(names: Sequence[str], rows: Sequence[Sequence[Any]],
-                      prefix: str = "") -> dict[str, StepRecord]:
-        read = reader(StepRecord, names, prefix, {"key": "step_key"})
+                      prefix: str = "", aware: bool = False) -> dict[str, StepRecord]:
+        read = reader(StepRecord, names, prefix, {"key": "step_key"}, aware)
         return {record.key: record for record in map(read, rows)}
 
     @functools.cached_property
@@ -263,16 +263,19 @@ class Store(WaitStatements):
             statements.update(begin=self.prepare(upsert.returning(*runs.c)),
                               steps=self.prepare(ordered))
             return statements
-        # The runs columns are selected as *: in the upsert's RETURNING and the locking
-        # read they are the same table's, and naming each of them in every part of the
-        # statement would make it three times longer than psycopg keeps converted.
-        every: Any = literal_column("*")
-        attempt = upsert.returning(every).cte("attempt")
+        # Each part names its columns once, as briefly as it can, so that the statement
+        # stays within the length psycopg keeps converted; and never as a table's *,
+        # which a migration adding a column would widen under a prepared statement.
+        names = [column.name for column in runs.c]
+        attempt = upsert.returning(*map(literal_column, names)).cte("attempt")
         row = runs.alias("r")
+        every: Any = literal_column("*")
         # Only where the upsert took nothing: the row it locked, as committed now.
-        locked = (select(every).select_from(row)
+        locked = (select(*[literal_column(f"r.{name}") for name in names])
+                  .select_from(row)
                   .where(row.c.task_id == param("task_id"),
-                         ~select(literal_column("1")).select_from(attempt).exists())
+                                       ~select(literal_column("1")).select_from(attempt)
+                                       .exists())
                   .with_for_update(read=True, key_share=True).cte("locked"))
         run = union_all(select(every).select_from(attempt),
                         select(every).select_from(locked)).subquery("run")
@@ -762,10 +765,14 @@ class Store(WaitStatements):
 
 _stores: dict[tuple[Any, ...], Store] = {}
 _stores_lock = threading.Lock()
+_by_config: dict[int, tuple[Config, Store]] = {}
 
 
 def store_for(config: Config) -> Store:
     """The process-wide :class:`Store` for a configuration."""
+    known = _by_config.get(id(config))
+    if known is not None and known[0] is config:
+        return known[1]
     key = (
         config.database_url.render_as_string(hide_password=False),
         config.table_prefix,
@@ -777,6 +784,9 @@ def store_for(config: Config) -> Store:
     if store is None:
         with _stores_lock:
             store = _stores.setdefault(key, Store(config))
+    # Each app parses its configuration once and keeps it: remember the answer for that
+    # object (the config with it, so that a recycled id never matches another).
+    _by_config[id(config)] = (config, store)
     return store
 
 
@@ -790,5 +800,6 @@ def close_all_stores() -> None:
     with _stores_lock:
         stores = list(_stores.values())
         _stores.clear()
+        _by_config.clear()
     for store in stores:
         store.close()

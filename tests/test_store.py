@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import uuid
 from collections import Counter
@@ -65,14 +66,8 @@ def count_round_trips(store: Store) -> Iterator[list[int]]:
 
     traces: dict[int, Any] = {}
 
-    def on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
-        stream = tempfile.TemporaryFile()  # noqa: SIM115 - closed at checkin, below
-        traces[id(dbapi_conn)] = stream
-        dbapi_conn.pgconn.trace(stream.fileno())
-        dbapi_conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
-
     def on_checkin(dbapi_conn: Any, _record: Any) -> None:
-        stream = traces.pop(id(dbapi_conn), None)
+        stream, _ = traces.pop(id(dbapi_conn), (None, None))
         if stream is None:
             return
         dbapi_conn.pgconn.untrace()
@@ -81,6 +76,20 @@ def count_round_trips(store: Store) -> Iterator[list[int]]:
         total[0] += sum(1 for line in lines if line.startswith("F") and "\tExecute\t" in line)
         stream.close()
 
+    def trace(dbapi_conn: Any) -> None:
+        stream = tempfile.TemporaryFile()  # noqa: SIM115 - closed at checkin, below
+        traces[id(dbapi_conn)] = (stream, dbapi_conn)
+        dbapi_conn.pgconn.trace(stream.fileno())
+        dbapi_conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+
+    # The connection the main thread keeps between attempts is already checked out.
+    kept = store._held.conn if getattr(store._held, "pid", None) == os.getpid() else None
+    if kept is not None:
+        trace(kept.connection.driver_connection)
+
+    def on_checkout(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+        trace(dbapi_conn)
+
     event.listen(store.engine, "checkout", on_checkout)
     event.listen(store.engine, "checkin", on_checkin)
     try:
@@ -88,6 +97,9 @@ def count_round_trips(store: Store) -> Iterator[list[int]]:
     finally:
         event.remove(store.engine, "checkout", on_checkout)
         event.remove(store.engine, "checkin", on_checkin)
+        # Still checked out (kept by this thread): count what it sent all the same.
+        for _, dbapi_conn in list(traces.values()):
+            on_checkin(dbapi_conn, None)
 
 
 def _store(app: Celery) -> Store:
@@ -142,7 +154,8 @@ def test_sql_per_attempt(make_app: Callable[..., Celery]) -> None:
 
 @pytest.mark.postgres
 def test_an_attempt_holds_one_connection(pg_url: str, table_prefix: str) -> None:
-    """All statements of an attempt share one pooled connection; it goes back at the end."""
+    """All statements of an attempt share one pooled connection; a worker thread gives it
+    back at the end, the main thread (a prefork or solo worker's) keeps it for the next."""
     app = app_factory(pg_url, table_prefix)()
 
     @app.task(base=DurableTask)
@@ -160,11 +173,61 @@ def test_an_attempt_holds_one_connection(pg_url: str, table_prefix: str) -> None
         checkouts: list[int] = []
         event.listen(store.engine, "checkout",
                      lambda dbapi_conn, *_: checkouts.append(id(dbapi_conn)))
-        assert task.apply(args=(10,)).get() == 45
-        assert len(checkouts) == 1
-        assert store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
-        assert task.apply(args=(3,)).get() == 3
+
+        results: list[int] = []
+        for n in (10, 3):
+            thread = threading.Thread(target=lambda n=n: results.append(task.apply(
+                args=(n,)).get()))
+            thread.start()
+            thread.join()
+            assert store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+        assert results == [45, 3]
         assert len(checkouts) == 2
+
+        assert task.apply(args=(10,)).get() == 45
+        assert task.apply(args=(3,)).get() == 3
+        assert len(checkouts) == 3
+        assert store.engine.pool.checkedout() == 1  # type: ignore[attr-defined]
+    finally:
+        store.close()
+        drop_tables(pg_url, table_prefix)
+    assert store.engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+@pytest.mark.postgres
+def test_a_forked_child_never_closes_the_connection_its_parent_keeps(
+        pg_url: str, table_prefix: str) -> None:
+    """A child forked after an attempt opens its own connection, and the parent's kept one
+    still works afterwards (the child neither used nor closed it)."""
+    app = app_factory(pg_url, table_prefix)()
+
+    @app.task(base=DurableTask)
+    def task(n: int) -> int:
+        with step("s") as s:
+            s.result = n
+        return int(s.result)
+
+    store = _store(app)
+    try:
+        assert task.apply(args=(1,)).get() == 1
+        kept = store._held.conn
+        assert kept is not None
+        parent_pid = kept.connection.driver_connection.info.backend_pid
+        pid = os.fork()
+        if pid == 0:  # the child: a run of its own, then exit as a worker child would
+            code = 1
+            try:
+                with store.held_connection():
+                    code = 0 if (task.apply(args=(2,)).get() == 2 and store._held.conn
+                                 .connection.driver_connection.info.backend_pid
+                                 != parent_pid) else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert task.apply(args=(3,)).get() == 3
+        assert store._held.conn is kept
+        assert kept.connection.driver_connection.info.backend_pid == parent_pid
     finally:
         store.close()
         drop_tables(pg_url, table_prefix)
@@ -406,3 +469,38 @@ def test_connections_opening_a_new_sqlite_file_at_once_all_succeed(tmp_path: Pat
         for thread in threads:
             thread.join(timeout=60)
         assert errors == []
+
+
+@pytest.mark.postgres
+def test_a_column_added_under_a_running_worker_leaves_its_prepared_statements_working(
+        pg_url: str, table_prefix: str) -> None:
+    """A migration that adds a column while a worker's statements are prepared on the server
+    (a rolling upgrade) changes nothing for the attempts that follow."""
+    app = app_factory(pg_url, table_prefix)()
+
+    @app.task(base=DurableTask)
+    def task(n: int) -> int:
+        with step("s") as s:
+            s.result = n
+        return int(s.result)
+
+    store = _store(app)
+    try:
+        for n in range(8):  # psycopg prepares a statement on its fifth execution
+            assert task.apply(args=(n,)).get() == n
+        admin = create_engine(pg_url)
+        try:
+            with admin.begin() as conn:
+                for table in ("runs", "steps"):
+                    conn.exec_driver_sql(
+                        f'ALTER TABLE "{table_prefix}{table}" ADD COLUMN added_later text')
+        finally:
+            admin.dispose()
+        run_id = str(uuid.uuid4())
+        assert task.apply(args=(42,), task_id=run_id).get() == 42
+        assert task.apply(args=(42,), task_id=run_id).get() == 42  # answered from the row
+        run = get_run(run_id, app=app)
+        assert run is not None and run.status == "succeeded"
+    finally:
+        store.close()
+        drop_tables(pg_url, table_prefix)
