@@ -265,21 +265,28 @@ def _find_code(code: types.CodeType, name: str, firstlineno: int) -> types.CodeT
     return None
 
 
-def _enclosing_class(fn: Callable[..., Any]) -> str | None:
+def _enclosing_class(qualname: str) -> str | None:
     # "Outer.<locals>.Cls.method" -> "Cls": needed so that self.__x is mangled as before.
-    parts = fn.__qualname__.split(".")
+    parts = qualname.split(".")
     if len(parts) >= 2 and parts[-2] != "<locals>":
         return parts[-2]
     return None
 
 
-def _rewrite(fn: types.FunctionType) -> types.FunctionType | None:
-    """The prepared twin of ``fn``, or None when it has nothing to rewrite."""
+@functools.lru_cache(maxsize=1024)
+def _rewritten_code(code: types.CodeType, qualname: str) -> types.CodeType | None:
+    """The code of the prepared twin of a function with this code, or None.
+
+    Once per code object: a task defined again (one per app, a test suite's
+    fixtures) has the same code, and reading, parsing and compiling its source
+    again would cost milliseconds each time. A refusal (UnsupportedCode) is
+    raised every time, never remembered.
+    """
     try:
-        lines, first_line = inspect.getsourcelines(fn)
-        filename = inspect.getsourcefile(fn) or fn.__code__.co_filename
+        lines, first_line = inspect.getsourcelines(code)
+        filename = inspect.getsourcefile(code) or code.co_filename
     except (OSError, TypeError):
-        logger.debug("no source for %s; it stays unprepared", fn.__qualname__)
+        logger.debug("no source for %s; it stays unprepared", qualname)
         return None
     source = "".join(lines)
     indented = bool(lines) and lines[0][:1] in (" ", "\t")
@@ -289,11 +296,11 @@ def _rewrite(fn: types.FunctionType) -> types.FunctionType | None:
         tree = parse_source("if 1:\n" + source if indented else source, filename=filename)
     except SyntaxError:
         logger.debug("source of %s does not parse on its own; it stays unprepared",
-                     fn.__qualname__)
+                     qualname)
         return None
     body = tree.body[0].body if indented and isinstance(tree.body[0], ast.If) else tree.body
     func = body[0] if body else None
-    if not isinstance(func, ast.FunctionDef) or func.name != fn.__name__:
+    if not isinstance(func, ast.FunctionDef) or func.name != code.co_name:
         return None
     if not _has_with(func):
         return None
@@ -306,9 +313,9 @@ def _rewrite(fn: types.FunctionType) -> types.FunctionType | None:
     # layout. The def sits in a class body, whose names no function sees: a function
     # that calls itself by its (global) name keeps finding it among the globals. The
     # class has the method's class name, for name mangling, or "_", which mangles nothing.
-    holder = ast.ClassDef(name=_enclosing_class(fn) or "_", bases=[], keywords=[],
+    holder = ast.ClassDef(name=_enclosing_class(qualname) or "_", bases=[], keywords=[],
                           body=[func], decorator_list=[])
-    freevars = [name for name in fn.__code__.co_freevars if name not in _RUNTIME]
+    freevars = [name for name in code.co_freevars if name not in _RUNTIME]
     factory = ast.FunctionDef(
         name=_FACTORY_NAME,
         args=ast.arguments(posonlyargs=[], args=[ast.arg(arg=n) for n in [*freevars, *_RUNTIME]],
@@ -325,10 +332,18 @@ def _rewrite(fn: types.FunctionType) -> types.FunctionType | None:
         ast.copy_location(node, func)
     ast.fix_missing_locations(module)
     compiled = compile(module, filename, "exec", dont_inherit=True)
-    new_code = _find_code(compiled, fn.__code__.co_name, func.lineno)
+    new_code = _find_code(compiled, code.co_name, func.lineno)
     if new_code is None or GUARD_NAME not in new_code.co_freevars:
         return None
+    return new_code
 
+
+
+def _rewrite(fn: types.FunctionType) -> types.FunctionType | None:
+    """The prepared twin of ``fn``, or None when it has nothing to rewrite."""
+    new_code = _rewritten_code(fn.__code__, fn.__qualname__)
+    if new_code is None:
+        return None
     cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True))
     cells.update((name, types.CellType(runtime)) for name, runtime in _RUNTIME.items())
     try:

@@ -396,3 +396,38 @@ def test_durable_rejects_non_functions() -> None:
     """@durable on something that is not a function is a TypeError, at decoration time."""
     with pytest.raises(TypeError, match="plain functions"):
         durable(print)  # type: ignore[type-var]
+
+
+def _task_with_closure(app: Celery, name: str, bonus: int, ran: Counter[str]) -> Any:
+    @app.task(base=DurableTask, name=name, bind=True, max_retries=1)
+    def task(self: Any, n: int) -> int:
+        with step("add") as s:
+            ran[name] += 1
+            s.result = n + bonus
+        if not self.request.retries:
+            raise self.retry(countdown=0)
+        return int(s.result)
+
+    return task
+
+
+def test_a_function_defined_again_is_prepared_once_and_keeps_its_own_closure(
+        make_app: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same task code defined in two apps (a fixture, an app per test) is read and
+    rewritten once, and each copy skips its step on a retry with its own closure's values."""
+    from celery_duraflow import _rewrite
+
+    compiled: list[str] = []
+
+    def counting(source: Any, filename: str, *args: Any, **kwargs: Any) -> Any:
+        compiled.append(filename)
+        return compile(source, filename, *args, **kwargs)
+
+    monkeypatch.setattr(_rewrite, "compile", counting, raising=False)
+    ran: Counter[str] = Counter()
+    first = _task_with_closure(make_app(), "rewrite.first", 10, ran)
+    second = _task_with_closure(make_app(), "rewrite.second", 20, ran)
+    assert first.apply(args=(1,)).get() == 11
+    assert second.apply(args=(1,)).get() == 21
+    assert ran == {"rewrite.first": 1, "rewrite.second": 1}  # each step body ran once
+    assert compiled.count(__file__) <= 1  # the second definition reused the first's rewrite
