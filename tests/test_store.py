@@ -504,3 +504,16 @@ def test_a_column_added_under_a_running_worker_leaves_its_prepared_statements_wo
     finally:
         store.close()
         drop_tables(pg_url, table_prefix)
+
+
+def test_an_sqlite_store_commits_each_write_to_disk(tmp_path: Path) -> None:
+    """The embedded store's connections commit with synchronous=FULL in WAL mode, so a
+    recorded step survives a power cut as it does on PostgreSQL."""
+    store = Store(load_config({"duraflow_database_url": f"sqlite:///{tmp_path}/full.db"},
+                              environ={}))
+    try:
+        with store.engine.connect() as conn:
+            assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+            assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+    finally:
+        store.close()
