@@ -233,7 +233,7 @@ class SqliteFloor:
 
     A ``sqlite3`` connection with ``isolation_level=None`` (no implicit transactions) and
     the settings the library gives its own connections (``celery_duraflow._db``): WAL
-    journal, ``synchronous=NORMAL``, a busy timeout, foreign keys; the transaction opened
+    journal, ``synchronous=FULL``, a busy timeout, foreign keys; the transaction opened
     the way the library opens its own, with ``BEGIN IMMEDIATE``.
     """
 
@@ -243,7 +243,7 @@ class SqliteFloor:
         self.conn.execute("PRAGMA busy_timeout=30000")
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA foreign_keys=ON")
-        self.conn.execute("PRAGMA synchronous=NORMAL")
+        self.conn.execute("PRAGMA synchronous=FULL")
         self.conn.execute("CREATE TABLE IF NOT EXISTS floor "
                           "(id INTEGER PRIMARY KEY, a INTEGER NOT NULL, b TEXT NOT NULL)")
         self.settings = sqlite_settings(self.conn)
