@@ -29,7 +29,7 @@ from sqlalchemy.engine import make_url
 
 from celery_duraflow import DurableTask
 from celery_duraflow._config import config_for_app
-from celery_duraflow._store import store_for
+from celery_duraflow._store import all_stores, store_for
 
 from . import workload
 
@@ -390,6 +390,10 @@ class RoundTrips:
         event.listen(self.engine, "before_cursor_execute", self._on_statement)
         event.listen(self.engine.pool, "checkout", self._on_checkout)
         event.listen(self.engine.pool, "checkin", self._on_checkin)
+        # The main thread keeps its connection between attempts: it is already checked
+        # out, so trace it from here on as if it had just been.
+        for kept in kept_connections(self.engine):
+            self._on_checkout(kept, None, None)
         try:
             yield self
         finally:
@@ -409,6 +413,17 @@ class RoundTrips:
         else:
             statements, wire = self.statements[thread], self.wire[thread]
         return statements, (wire if self.wire_available else None)
+
+
+def kept_connections(engine: Engine) -> list[Any]:
+    """The DBAPI connection this thread keeps checked out of ``engine`` between attempts."""
+    kept = []
+    for store in all_stores():
+        held = store._held
+        conn = getattr(held, "conn", None)
+        if conn is not None and getattr(held, "engine", None) is engine and not conn.closed:
+            kept.append(conn.connection.dbapi_connection)
+    return kept
 
 
 def parse_trace(text: str, timed: bool) -> tuple[int, float]:
