@@ -411,7 +411,7 @@ class Database:
     def _drop_held(self, *, invalidate: bool) -> None:
         held = self._held
         conn: Connection | None = getattr(held, "conn", None)
-        held.conn = held.cursor = None
+        held.conn = held.cursor = held.driver = None
         if conn is None:
             return
         try:
@@ -441,13 +441,16 @@ class Database:
         held = self._held
         if not getattr(held, "depth", 0):
             return None
-        engine = self.engine
         conn: Connection | None = getattr(held, "conn", None)
+        if (conn is not None and held.engine is self._engine and held.pid == os.getpid()
+                and _hung_up(held.driver) is None):
+            return conn  # the usual case, checked like a pool checkout, in a select()
+        engine = self.engine
         if conn is not None and held.pid != os.getpid():
             # Inherited across a fork with the main thread's memory: the connection is
             # the parent's. Forget it without a word to the server (closing it would
             # end the parent's session); psycopg does not close it when collected.
-            held.conn = held.cursor = None
+            held.conn = held.cursor = held.driver = None
             conn = None
         if conn is not None and (conn.closed or conn.invalidated
                                  or getattr(held, "engine", None) is not engine
@@ -457,8 +460,8 @@ class Database:
         if conn is None:
             conn = engine.connect()
             held.conn, held.engine, held.pid = conn, engine, os.getpid()
-            driver: Any = conn.connection.driver_connection
-            held.cursor = driver.cursor()
+            held.driver = conn.connection.driver_connection
+            held.cursor = held.driver.cursor()
         return conn
 
     def write_prepared(self, prepared: Prepared, params: dict[str, Any], action: str,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 import uuid
@@ -70,6 +71,21 @@ _FATAL_ERRORS: dict[str, type[DuraflowError]] = {
 _NO_INPUT: Any = object()
 
 
+@functools.lru_cache(maxsize=4096)
+def _name_problem(name: str) -> str | None:
+    """What is wrong with a step name, or None; once per name (a loop reaches one name
+    many times)."""
+    if not name.strip():
+        return "is empty"
+    if len(name) > MAX_NAME_LENGTH:
+        return f"is longer than {MAX_NAME_LENGTH} characters"
+    if "/" in name or "#" in name:
+        return "contains '/' or '#', which the step key uses for nesting and repetition"
+    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
+        return "contains control characters"
+    return None
+
+
 def check_name(name: object, ctx: RunContext | None) -> str:
     where = f" in task {ctx.task_id}" if ctx is not None else ""
     if not isinstance(name, str):
@@ -78,15 +94,7 @@ def check_name(name: object, ctx: RunContext | None) -> str:
             "stable name such as 'book-flight'.",
             task_id=ctx.task_id if ctx else None,
         )
-    problem = None
-    if not name.strip():
-        problem = "is empty"
-    elif len(name) > MAX_NAME_LENGTH:
-        problem = f"is longer than {MAX_NAME_LENGTH} characters"
-    elif "/" in name or "#" in name:
-        problem = "contains '/' or '#', which the step key uses for nesting and repetition"
-    elif any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
-        problem = "contains control characters"
+    problem = _name_problem(name)
     if problem:
         raise InvalidStepName(
             f"step name {shown(name)}{where} {problem}. Give each step a short, stable name "
