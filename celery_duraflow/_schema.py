@@ -6,12 +6,18 @@ adds the next number. Each one runs in its own transaction and is recorded in
 ``<prefix>schema``; :func:`migrate` serializes concurrent callers with a
 PostgreSQL advisory lock (SQLite: ``BEGIN IMMEDIATE``), so a fleet of workers
 starting at once applies each step exactly once.
+
+An empty database skips the migrations: :func:`migrate` creates the current tables
+of :func:`build_tables` in one transaction and records every version as
+applied. So the current model must always describe exactly what the migrations
+build; tests/test_schema_fresh.py compares the two.
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -508,32 +514,96 @@ def current_version(conn: Connection, tables: Tables) -> int:
 
 
 def migrate(engine: Engine, tables: Tables, prefix: str) -> list[int]:
-    """Apply every pending migration; return the versions this call applied."""
-    applied: list[int] = []
+    """Bring the schema to :data:`LATEST_VERSION`; return the versions this call applied.
+
+    An empty database gets the current tables at once, one already at the latest
+    version is left alone, both in one transaction (:func:`_create_or_check`); one
+    with an older schema takes the numbered migrations it lacks, one by one.
+    """
+    with _migration_lock(engine, prefix) as conn:
+        done = _create_or_check(conn, tables)
+        if done is not None:
+            return done
+        return _apply_migrations(conn, tables)
+
+
+@contextmanager
+def _migration_lock(engine: Engine, prefix: str) -> Iterator[Connection]:
+    """A connection that holds, on PostgreSQL, the prefix's advisory lock.
+
+    Every migrating caller of a prefix queues here, so the version a caller reads
+    cannot change before it has applied the next one. SQLite has no such lock
+    across transactions: there each transaction begins with BEGIN IMMEDIATE, and
+    every decision is taken again inside the transaction that acts on it.
+    """
     postgres = engine.dialect.name == "postgresql"
     with engine.connect() as conn:
         if postgres:
             conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _lock_key(prefix)})
             conn.commit()
         try:
-            for version, description, apply in MIGRATIONS:
-                # On SQLite the store's engine begins with BEGIN IMMEDIATE, which takes the
-                # write lock at once: two processes cannot both find a version missing.
-                with conn.begin():
-                    tables.schema_version.create(conn, checkfirst=True)
-                    if current_version(conn, tables) >= version:
-                        continue
-                    apply(conn, tables)
-                    conn.execute(
-                        tables.schema_version.insert().values(
-                            version=version,
-                            description=description,
-                            applied_at=datetime.now(UTC),
-                        )
-                    )
-                applied.append(version)
+            yield conn
         finally:
             if postgres:
                 conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _lock_key(prefix)})
                 conn.commit()
+
+
+def _create_or_check(conn: Connection, tables: Tables) -> list[int] | None:
+    """Create an empty database's current schema in one transaction, or find it done.
+
+    Applying twelve migrations to nothing costs twelve transactions, a table
+    rebuild and a score of ALTERs (tens of milliseconds per new SQLite file) to
+    reach what :func:`build_tables` describes directly. Every version is recorded
+    as applied, with the migration's description, so later migrations continue
+    from :data:`LATEST_VERSION` as if the schema had been migrated;
+    tests/test_schema_fresh.py checks that both ways give the same tables,
+    columns, keys and indexes.
+
+    Returns the versions recorded; an empty list when the schema is already at
+    (or past) the latest version; None when it is older, or when a table of ours
+    exists with no version recorded (left to the migrations, which treat it as
+    they always did). The version is read inside the transaction that creates:
+    on SQLite BEGIN IMMEDIATE holds the write lock from its start, so of two
+    processes creating one new file the second finds the first's tables here
+    and creates nothing (on PostgreSQL the advisory lock already queues them).
+    """
+    with conn.begin():
+        version = current_version(conn, tables)
+        if version >= LATEST_VERSION:
+            return []
+        if version > 0 or any(conn.dialect.has_table(conn, table.name)
+                              for table in (tables.runs, tables.steps, tables.signals)):
+            return None
+        # The version table may exist, empty; the others were just found missing.
+        tables.schema_version.create(conn, checkfirst=True)
+        for table in (tables.runs, tables.steps, tables.signals):
+            table.create(conn, checkfirst=False)
+        applied_at = datetime.now(UTC)
+        conn.execute(tables.schema_version.insert(), [
+            {"version": number, "description": description, "applied_at": applied_at}
+            for number, description, _apply in MIGRATIONS
+        ])
+    return [number for number, _description, _apply in MIGRATIONS]
+
+
+def _apply_migrations(conn: Connection, tables: Tables) -> list[int]:
+    """Apply each pending numbered migration in its own transaction; return those applied."""
+    applied: list[int] = []
+    for version, description, apply in MIGRATIONS:
+        # On SQLite the store's engine begins with BEGIN IMMEDIATE, which takes the
+        # write lock at once: two processes cannot both find a version missing.
+        with conn.begin():
+            tables.schema_version.create(conn, checkfirst=True)
+            if current_version(conn, tables) >= version:
+                continue
+            apply(conn, tables)
+            conn.execute(
+                tables.schema_version.insert().values(
+                    version=version,
+                    description=description,
+                    applied_at=datetime.now(UTC),
+                )
+            )
+        applied.append(version)
     return applied
