@@ -15,6 +15,7 @@ build; tests/test_schema_fresh.py compares the two.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,8 +62,10 @@ class Tables:
     signals: Table
 
 
+@functools.lru_cache(maxsize=64)
 def build_tables(prefix: str) -> Tables:
-    """Declare the tables for ``prefix`` (already validated by the config)."""
+    """Declare the tables for ``prefix`` (already validated by the config), once per
+    prefix: every store of a prefix shares them, and the statements built on them."""
     metadata = MetaData()
     schema_version = Table(
         f"{prefix}schema",

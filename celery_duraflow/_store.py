@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -171,8 +171,21 @@ class Store(WaitStatements):
         read = reader(StepRecord, names, prefix, {"key": "step_key"}, aware)
         return {record.key: record for record in map(read, rows)}
 
+    def _shared(self, name: str, build: Callable[[], Any]) -> Any:
+        """Statements built once per table prefix and dialect, for every store of them:
+        a process (a test suite) with many stores of one prefix builds them once."""
+        key = (name, self.config.table_prefix, self.dialect, self.engine.dialect.driver)
+        found = _SHARED_STATEMENTS.get(key)
+        if found is None:
+            found = _SHARED_STATEMENTS.setdefault(key, build())
+        return found
+
     @functools.cached_property
     def _attempt_statements(self) -> dict[str, Prepared]:
+        built: dict[str, Prepared] = self._shared("attempt", self._build_attempt_statements)
+        return built
+
+    def _build_attempt_statements(self) -> dict[str, Prepared]:
         """The start and finish of an attempt, built once with bound parameters.
 
         The start is an upsert of the run's row that takes the lease only where
@@ -615,6 +628,10 @@ class Store(WaitStatements):
 
     @functools.cached_property
     def _step_statements(self) -> dict[str, Any]:
+        built: dict[str, Any] = self._shared("steps", self._build_step_statements)
+        return built
+
+    def _build_step_statements(self) -> dict[str, Any]:
         """The per-step statements, built once with bound parameters.
 
         Building their expression trees anew for every step would cost more
@@ -691,6 +708,10 @@ class Store(WaitStatements):
 
     @functools.cached_property
     def _prepared_records(self) -> dict[str, Prepared]:
+        built: dict[str, Prepared] = self._shared("records", self._build_prepared_records)
+        return built
+
+    def _build_prepared_records(self) -> dict[str, Prepared]:
         """The step-end statements, prepared once (see :meth:`Database.prepare`)."""
         return {name: self.prepare(self._step_statements[name])
                 for name in ("record_new", "record", "record_relaxed")}
@@ -735,7 +756,8 @@ class Store(WaitStatements):
         losing it in a database crash only means the step runs again (but a fatal
         one, which must stop the body from running again, commits durably). ``new``
         says the attempt saw no row for the step: a completion is then a plain
-        ``INSERT ... ON CONFLICT DO NOTHING``, the cheapest durable write.
+        insert (on PostgreSQL without ON CONFLICT: a row that appeared meanwhile
+        is a duplicate key, answered False), the cheapest durable write.
         """
         completed = status == STEP_COMPLETED
         durable = completed or status == STEP_WAITING or body_exit == BODY_FATAL
@@ -751,11 +773,10 @@ class Store(WaitStatements):
         # A new completion (or wait) is the plain insert; a fatal failure keeps its error.
         name = ("record_new" if new and not claimed and error is None else "record") if (
             durable) else "record_relaxed"
-        action = {STEP_COMPLETED: "recording the step output",
-                  STEP_WAITING: "recording the wait"}.get(status, "recording the step failure")
         try:
-            done = self.write_prepared(self._prepared_records[name], params, action, task_id,
-                                       step_key)
+            done = self.write_prepared(self._prepared_records[name], params,
+                                       _RECORDING.get(status, "recording the step failure"),
+                                       task_id, step_key)
         except DUPLICATE_KEY:
             return False  # the row appeared since the attempt read the steps
         if name == "record_new" and self.insert_rowcount:
@@ -763,6 +784,11 @@ class Store(WaitStatements):
         return bool(done.rows)
 
 
+# What a step record is doing, for the error when the store cannot be reached.
+_RECORDING = {STEP_COMPLETED: "recording the step output", STEP_WAITING: "recording the wait"}
+
+# Statements by (name, table prefix, dialect, driver): see Store._shared.
+_SHARED_STATEMENTS: dict[tuple[str, str, str, str], Any] = {}
 _stores: dict[tuple[Any, ...], Store] = {}
 _stores_lock = threading.Lock()
 _by_config: dict[int, tuple[Config, Store]] = {}

@@ -104,3 +104,8 @@ def _duraflow_store_per_test(tmp_path_factory: pytest.TempPathFactory) -> Iterat
             os.environ.pop("DURAFLOW_DATABASE_URL", None)
         else:
             os.environ["DURAFLOW_DATABASE_URL"] = old
+        # The test's store is never used again: let it go, as a process that ends would,
+        # rather than keep hundreds of engines and their caches alive to the end.
+        from celery_duraflow._store import close_all_stores
+
+        close_all_stores()
