@@ -296,8 +296,12 @@ class Store(WaitStatements):
         begin = (
             select(literal_column("run.*"),
                    *[c.label(f"step_{c.name}") for c in step_row.c])
+            # The steps are found by the task id itself, not through the run's row: a plan
+            # made once for the prepared statement (while the steps table was still empty,
+            # say) then looks them up in the table's key, however large it grows, instead
+            # of scanning it.
             .select_from(run.join(step_row, and_(
-                step_row.c.task_id == literal_column("run.task_id"),
+                step_row.c.task_id == param("task_id"),
                 literal_column("run.lease_owner") == param("lease_owner")), isouter=True))
             .order_by(step_row.c.started_at, step_row.c.position, step_row.c.step_key)
         )

@@ -517,3 +517,44 @@ def test_an_sqlite_store_commits_each_write_to_disk(tmp_path: Path) -> None:
             assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
     finally:
         store.close()
+
+
+@pytest.mark.postgres
+def test_the_start_of_an_attempt_finds_steps_by_key_in_a_plan_made_on_an_empty_table(
+        pg_url: str, table_prefix: str) -> None:
+    """The start's prepared statement, planned once while the steps table was empty, still
+    looks a run's steps up in the table's key after the table has grown (never a scan of
+    every run's steps, which would make each attempt slower than the last)."""
+    app = app_factory(pg_url, table_prefix)(duraflow_engine_options={
+        "connect_args": {"options": "-c plan_cache_mode=force_generic_plan"}})
+
+    @app.task(base=DurableTask)
+    def task(n: int) -> int:
+        return n  # no step: the steps table stays empty while the start is planned
+
+    store = _store(app)
+    steps = f'"{table_prefix}steps"'
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    try:
+        store.ensure_schema()
+        with admin.connect() as conn:  # before the plan is made: an ALTER would renew it
+            conn.exec_driver_sql(f"ALTER TABLE {steps} SET (autovacuum_enabled = false)")
+        for n in range(7):  # psycopg prepares the start on its fifth execution
+            assert task.apply(args=(n,)).get() == n
+        with admin.connect() as conn:
+            conn.exec_driver_sql(
+                f"INSERT INTO {steps} (task_id, step_key, status, attempts, started_at) "
+                "SELECT 'other-' || (g / 10), 's' || g, 'completed', 1, now() "
+                "FROM generate_series(1, 20000) AS g")
+        kept = store._held.conn.connection.driver_connection
+        name, count = kept.execute(
+            "SELECT name, cardinality(parameter_types) FROM pg_prepared_statements "
+            "WHERE statement LIKE 'WITH attempt%'").fetchone()
+        plan = "\n".join(row[0] for row in kept.execute(
+            f"EXPLAIN EXECUTE {name}({', '.join(['NULL'] * count)})"))
+        assert f"Seq Scan on {table_prefix}steps" not in plan, plan
+        assert f"{table_prefix}steps" in plan
+    finally:
+        admin.dispose()
+        store.close()
+        drop_tables(pg_url, table_prefix)
