@@ -85,7 +85,9 @@ def test_long_sleep_is_woken_by_the_sweep_not_the_broker(make_app: Callable[...,
     def nap() -> str:
         with step("before"):
             calls["before"] += 1
-        sleep("nap", 0.5)
+        # Long enough that the sweep below surely runs before it is due, even on a slow,
+        # busy machine (each SQLite commit waits for the disk).
+        sleep("nap", 2.0)
         return "awake"
 
     with run_worker(app):
