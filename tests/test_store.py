@@ -9,6 +9,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -556,5 +557,41 @@ def test_the_start_of_an_attempt_finds_steps_by_key_in_a_plan_made_on_an_empty_t
         assert f"{table_prefix}steps" in plan
     finally:
         admin.dispose()
+        store.close()
+        drop_tables(pg_url, table_prefix)
+
+
+@pytest.mark.postgres
+def test_a_start_racing_the_first_insert_of_its_run_returns_the_committed_row(
+        pg_url: str, table_prefix: str) -> None:
+    """A delivery whose start waits on another delivery's uncommitted first insert of the
+    same run gets that run's row as committed (leased to the other owner), takes nothing,
+    and no step is loaded for it."""
+    app = app_factory(pg_url, table_prefix)()
+    store = _store(app)
+    runs = store.tables.runs
+    try:
+        store.ensure_schema()
+        now = datetime.now(UTC)
+        other = create_engine(pg_url)
+        results: list[Any] = []
+        try:
+            with other.begin() as conn:
+                conn.execute(runs.insert().values(
+                    task_id="race", task_name="proj.t", status="running", attempts=1,
+                    created_at=now, updated_at=now, lease_owner="other|m|1|x",
+                    lease_expires_at=now + timedelta(minutes=5)))
+                starter = threading.Thread(target=lambda: results.append(store.begin_attempt(
+                    "race", Delivery(task_name="proj.t", owner="mine|m|2|y"))))
+                starter.start()
+                starter.join(timeout=0.5)
+                assert starter.is_alive()  # waiting on the uncommitted row
+            starter.join(timeout=30)
+        finally:
+            other.dispose()
+        [(run, steps)] = results
+        assert run.lease_owner == "other|m|1|x" and run.attempts == 1
+        assert steps is None
+    finally:
         store.close()
         drop_tables(pg_url, table_prefix)
