@@ -12,15 +12,19 @@ commits live here.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import re
 import select as select_module
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sqlalchemy import Engine, Select, create_engine, event
@@ -96,11 +100,18 @@ _UNAVAILABLE: tuple[type[Exception], ...] = (
 DUPLICATE_KEY: tuple[type[Exception], ...] = ()
 try:  # the hot path runs some statements on the psycopg connection itself
     import psycopg
+    from psycopg import pq
 
     _UNAVAILABLE += (psycopg.OperationalError, psycopg.InterfaceError)
     DUPLICATE_KEY += (psycopg.errors.UniqueViolation,)
 except ImportError:  # pragma: no cover - psycopg is a dependency
     pass
+
+# Names of the statements prepared for the raw path: one per Prepared, in this process.
+_raw_names = itertools.count(1)
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
+# The raw-path statements prepared on each psycopg connection (see _write_raw).
+_RAW_PREPARED: weakref.WeakKeyDictionary[Any, set[bytes]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -117,6 +128,12 @@ class Prepared:
     statement: Any
     sql: str = ""
     defaults: dict[str, Any] | None = None
+    #: For a write whose only answer is how many rows it wrote (a step's record, a run's
+    #: end): its name as a server-side prepared statement, its text with ``$n``
+    #: placeholders, and the parameter names in their order (see Database.write_prepared).
+    raw_name: bytes = b""
+    raw_sql: bytes = b""
+    raw_names: tuple[str, ...] = ()
 
 
 class Executed(NamedTuple):
@@ -478,6 +495,8 @@ class Database:
             try:
                 conn = self._held_conn()
                 if conn is not None:
+                    if prepared.raw_name:
+                        return self._write_raw(prepared, params)
                     cursor = self._held.cursor
                     cursor.execute(prepared.sql, {**(prepared.defaults or {}), **params})
                     return _executed(cursor, prepared)
@@ -587,7 +606,7 @@ class Database:
             with self._connect():
                 pass
 
-    def prepare(self, statement: Any) -> Prepared:
+    def prepare(self, statement: Any, *, raw: bool = False) -> Prepared:
         """Build what executing ``statement`` many times needs, once.
 
         On PostgreSQL the statement is compiled here to the driver's SQL text,
@@ -600,7 +619,47 @@ class Database:
             return Prepared(statement)
         compiled = statement.compile(dialect=self.engine.dialect)
         required = {key: None for key, bind in compiled.binds.items() if bind.required}
-        return Prepared(statement, compiled.string, compiled.construct_params(required))
+        defaults = compiled.construct_params(required)
+        if not raw:
+            return Prepared(statement, compiled.string, defaults)
+        names: list[str] = []
+
+        def placeholder(match: re.Match[str]) -> str:
+            if match.group(1) is None:
+                return "%"  # a literal percent sign, doubled for the pyformat style
+            if match.group(1) not in names:
+                names.append(match.group(1))
+            return f"${names.index(match.group(1)) + 1}"
+
+        numbered = _PLACEHOLDER.sub(placeholder, compiled.string)
+        return Prepared(statement, compiled.string, defaults,
+                        raw_name=f"duraflow_{os.getpid()}_{next(_raw_names)}".encode(),
+                        raw_sql=numbered.encode(), raw_names=tuple(names))
+
+    def _write_raw(self, prepared: Prepared, params: dict[str, Any]) -> Executed:
+        """Run a write that answers only with a row count straight on libpq.
+
+        The statement is prepared on the held connection once, then each
+        execution is one ``PQexecPrepared`` with the parameters as text: about
+        25 us of client CPU less per step record than psycopg's cursor, whose
+        conversion, preparation bookkeeping and wait loop written in Python
+        run on every execution. The call waits with the GIL released. Errors
+        are psycopg's own exception classes, built from the server's answer.
+        """
+        driver = self._held.driver
+        pgconn = driver.pgconn
+        # What is prepared belongs to the server session, which outlives a thread's
+        # hold on it: a pooled connection comes back with its statements.
+        done = _RAW_PREPARED.get(driver)
+        if done is None:
+            done = _RAW_PREPARED[driver] = set()
+        if prepared.raw_name not in done:
+            _check(pgconn, pgconn.prepare(prepared.raw_name, prepared.raw_sql))
+            done.add(prepared.raw_name)
+        values = {**(prepared.defaults or {}), **params}
+        result = _check(pgconn, pgconn.exec_prepared(
+            prepared.raw_name, [_as_text(values[name]) for name in prepared.raw_names]))
+        return Executed((), (), int(result.command_tuples or 0))
 
     def execute(self, conn: Connection, prepared: Prepared,
                 params: dict[str, Any]) -> Executed:
@@ -634,6 +693,30 @@ _PERMANENT = (
     ("invalid dsn", "fix duraflow_database_url"),
     ("invalid connection option", "fix the options in duraflow_database_url"),
 )
+
+
+def _as_text(value: Any) -> bytes | None:
+    """A parameter in PostgreSQL's text format, for the raw path (the statement's casts
+    give each its type)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, bool):
+        return b"true" if value else b"false"
+    if isinstance(value, datetime):
+        return value.isoformat().encode()
+    return str(value).encode()
+
+
+def _check(pgconn: Any, result: Any) -> Any:
+    """``result`` if the statement succeeded; otherwise psycopg's exception for it."""
+    if result.status in (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK):
+        return result
+    if pgconn.status == pq.ConnStatus.BAD:
+        raise psycopg.OperationalError(
+            (pgconn.error_message or b"the connection was lost").decode(errors="replace"))
+    raise psycopg.errors.error_from_result(result, encoding="utf-8")
 
 
 def _executed(cursor: Any, prepared: Prepared) -> Executed:

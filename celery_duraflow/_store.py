@@ -271,7 +271,7 @@ class Store(WaitStatements):
                     finished_at=now, lease_owner=None, lease_expires_at=None,
                     interrupted=False, unwinding=None)
         )
-        statements = {"finish": self.prepare(finish)}
+        statements = {"finish": self.prepare(finish, raw=True)}
         if not self.modifying_ctes:
             statements.update(begin=self.prepare(upsert.returning(*runs.c)),
                               steps=self.prepare(ordered))
@@ -717,7 +717,7 @@ class Store(WaitStatements):
 
     def _build_prepared_records(self) -> dict[str, Prepared]:
         """The step-end statements, prepared once (see :meth:`Database.prepare`)."""
-        return {name: self.prepare(self._step_statements[name])
+        return {name: self.prepare(self._step_statements[name], raw=True)
                 for name in ("record_new", "record", "record_relaxed")}
 
     def claim_step(self, task_id: str, step_key: str, owner: str,
@@ -783,8 +783,8 @@ class Store(WaitStatements):
                                        task_id, step_key)
         except DUPLICATE_KEY:
             return False  # the row appeared since the attempt read the steps
-        if name == "record_new" and self.insert_rowcount:
-            return done.rowcount == 1
+        if self.insert_rowcount:  # PostgreSQL: the rows it wrote (RETURNING or not)
+            return done.rowcount > 0
         return bool(done.rows)
 
 

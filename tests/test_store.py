@@ -595,3 +595,34 @@ def test_a_start_racing_the_first_insert_of_its_run_returns_the_committed_row(
     finally:
         store.close()
         drop_tables(pg_url, table_prefix)
+
+
+@pytest.mark.postgres
+def test_a_step_recorded_twice_on_the_held_connection_keeps_the_first_record(
+        pg_url: str, table_prefix: str) -> None:
+    """On the attempt's held connection, where a step's record is a statement prepared on
+    the server, a second record of a step the attempt believed new writes nothing and
+    answers False; the first record stays, and the connection goes on working."""
+    store = _store(app_factory(pg_url, table_prefix)())
+    owner = new_owner()
+    now = datetime.now(UTC)
+    try:
+        with store.held_connection():
+            run, _ = store.begin_attempt("dup", Delivery(task_name="proj.t", owner=owner))
+            assert run.lease_owner == owner
+            # The first record prepares the statement on the server, the second reuses it.
+            assert store.record_step("dup", "s", owner, status="completed", started_at=now,
+                                     output="1", serializer="json", new=True, position=1)
+            assert not store.record_step("dup", "s", owner, status="completed", started_at=now,
+                                         output="9", serializer="json", new=True, position=1)
+            assert store.record_step("dup", "t", owner, status="completed", started_at=now,
+                                     output="2", serializer="json", new=True, position=2)
+            assert store.finish_run("dup", owner, "succeeded", result="3", serializer="json")
+            assert not store.finish_run("dup", owner, "succeeded", result="4", serializer="json")
+        steps = store.load_steps("dup")
+        assert [(key, record.output) for key, record in steps.items()] == [("s", "1"), ("t", "2")]
+        ended = store.get_run("dup")
+        assert ended is not None and ended.status == "succeeded" and ended.result == "3"
+    finally:
+        store.close()
+        drop_tables(pg_url, table_prefix)
