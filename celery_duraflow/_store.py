@@ -219,35 +219,7 @@ class Store(WaitStatements):
             or_(runs.c.lease_owner.is_(None), runs.c.lease_expires_at < new.updated_at,
                 runs.c.lease_owner == new.lease_owner),
         )
-        taken = {
-            "status": new.status,
-            "attempts": runs.c.attempts + literal_column("1"),
-            # A run being unwound keeps the error that made it fail until it ends.
-            "error": case((runs.c.unwinding.is_(None), null()), else_=runs.c.error),
-            "finished_at": null(),
-            "updated_at": new.updated_at,
-            "lease_owner": new.lease_owner,
-            "lease_expires_at": new.lease_expires_at,
-            "args": func.coalesce(runs.c.args, new.args),
-            "args_fingerprint": func.coalesce(runs.c.args_fingerprint,
-                                              new.args_fingerprint),
-            "exchange": new.exchange,
-            "routing_key": new.routing_key,
-            # The code the run started under (a child run recorded by its parent has
-            # none).
-            "code_fingerprint": func.coalesce(runs.c.code_fingerprint,
-                                              new.code_fingerprint),
-            "retries": new.retries,
-            # A run that slept or waited is running again.
-            "wait_kind": null(),
-            "waiting_for": null(),
-            "wake_at": null(),
-            # Taking the run from another owner that never let go of it means that
-            # owner died (or froze) mid-attempt.
-            "interrupted": or_(runs.c.interrupted,
-                               and_(runs.c.lease_owner.is_not(None),
-                                    runs.c.lease_owner != new.lease_owner)),
-        }
+        taken = self._lease_taken(lambda name: new[name])
         if self.modifying_ctes:
             upsert = insert_.on_conflict_do_update(
                 index_elements=[runs.c.task_id], set_=taken, where=acquire)
@@ -308,51 +280,53 @@ class Store(WaitStatements):
         statements["begin"] = self.prepare(begin)
         return statements
 
-    def _acquired_values(self, delivery: Delivery, now: datetime,
-                         expires: datetime) -> dict[str, Any]:
+    def _lease_taken(self, new: Callable[[str], Any]) -> dict[str, Any]:
+        """What taking a run's lease writes to its row, in the upsert that starts an
+        attempt and in a take-over alike; ``new(column)`` is the value the attempt brings
+        for that column."""
         runs = self.tables.runs
         return {
-            "task_name": delivery.task_name,
-            "status": RUNNING,
-            "attempts": runs.c.attempts + 1,
+            "status": new("status"),
+            "attempts": runs.c.attempts + literal_column("1"),
             # A run being unwound keeps the error that made it fail until it ends.
             "error": case((runs.c.unwinding.is_(None), null()), else_=runs.c.error),
-            "finished_at": None,
-            "updated_at": now,
-            "lease_owner": delivery.owner,
-            "lease_expires_at": expires,
-            "args": func.coalesce(runs.c.args, literal(delivery.args, runs.c.args.type)),
-            "args_fingerprint": func.coalesce(
-                runs.c.args_fingerprint,
-                literal(delivery.args_fingerprint, runs.c.args_fingerprint.type)),
-            "exchange": delivery.exchange,
-            "routing_key": delivery.routing_key,
+            "finished_at": null(),
+            "updated_at": new("updated_at"),
+            "lease_owner": new("lease_owner"),
+            "lease_expires_at": new("lease_expires_at"),
+            "args": func.coalesce(runs.c.args, new("args")),
+            "args_fingerprint": func.coalesce(runs.c.args_fingerprint, new("args_fingerprint")),
+            "exchange": new("exchange"),
+            "routing_key": new("routing_key"),
             # The code the run started under (a child run recorded by its parent has none).
-            "code_fingerprint": func.coalesce(
-                runs.c.code_fingerprint,
-                literal(delivery.code_fingerprint, runs.c.code_fingerprint.type)),
-            "retries": delivery.retries,
+            "code_fingerprint": func.coalesce(runs.c.code_fingerprint, new("code_fingerprint")),
+            "retries": new("retries"),
             # A run that slept or waited is running again.
-            "wait_kind": None,
-            "waiting_for": None,
-            "wake_at": None,
+            "wait_kind": null(),
+            "waiting_for": null(),
+            "wake_at": null(),
             # Taking the run from another owner that never let go of it means that
             # owner died (or froze) mid-attempt.
             "interrupted": or_(runs.c.interrupted,
                                and_(runs.c.lease_owner.is_not(None),
-                                    runs.c.lease_owner != delivery.owner)),
+                                    runs.c.lease_owner != new("lease_owner"))),
         }
 
     def take_over(self, task_id: str, dead_owner: str, delivery: Delivery) -> RunRecord | None:
         """Take the lease from an owner known to be dead; None if it changed meanwhile."""
         runs = self.tables.runs
         now = utc_now()
-        expires = now + timedelta(seconds=self.config.lease_seconds)
+        brought = {"status": RUNNING, "updated_at": now, "lease_owner": delivery.owner,
+                   "lease_expires_at": now + timedelta(seconds=self.config.lease_seconds),
+                   "args": delivery.args, "args_fingerprint": delivery.args_fingerprint,
+                   "exchange": delivery.exchange, "routing_key": delivery.routing_key,
+                   "code_fingerprint": delivery.code_fingerprint, "retries": delivery.retries}
         stmt = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.lease_owner == dead_owner,
                    runs.c.status.not_in(NOT_RERUN), runs.c.pruned_at.is_(None))
-            .values(**self._acquired_values(delivery, now, expires))
+            .values(task_name=delivery.task_name, **self._lease_taken(
+                lambda name: literal(brought[name], runs.c[name].type)))
             .returning(*runs.c)
         )
         with self._write("taking over the run of a dead worker", task_id) as conn:
