@@ -1,0 +1,1 @@
+"""Integrations with frameworks around Celery; each is an optional extra."""

@@ -1,0 +1,1 @@
+"""An app whose rows atomic steps write with the Django ORM."""
