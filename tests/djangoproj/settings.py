@@ -71,3 +71,7 @@ DATABASES = {
         "TEST": {"NAME": str(_lite.with_name(f"test_{_lite.name}"))},
     },
 }
+
+# Celery, read by celery_app.py with the CELERY namespace.
+CELERY_BROKER_URL = os.environ.get("DURAFLOW_TEST_BROKER_URL", "redis://127.0.0.1:6379/9")
+CELERY_TASK_ALWAYS_EAGER = False
