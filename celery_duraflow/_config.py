@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ._db import URL, parse_database_url
+from .contrib.django import _alias as django_alias
 from .errors import ConfigurationError
 
 DEFAULT_DATABASE_URL = "sqlite:///duraflow.sqlite3"
@@ -29,14 +30,16 @@ _PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
 
 # The attribute under which the parsed config is cached on the Celery app.
 _CACHE_ATTR = "_duraflow_config"
+# Next to it, for a store on a Django alias: what its URL was built from.
+_ALIAS_SNAPSHOT_ATTR = "_duraflow_alias_snapshot"
 
 # Every setting there is (``duraflow_<key>`` in app.conf, ``CELERY_DURAFLOW_<KEY>`` with the
 # CELERY namespace, ``DURAFLOW_<KEY>`` in the environment). A key not in this list is a
 # typo, and a typo must not quietly fall back to a default (the SQLite file, say).
 KNOWN_KEYS = (
-    "accept_serializers", "auto_migrate", "database_url", "engine_options", "eta_threshold",
-    "lease_seconds", "max_recoveries", "on_code_change", "on_divergence", "serializer",
-    "store_outage_timeout", "table_prefix",
+    "accept_serializers", "auto_migrate", "database", "database_url", "engine_options",
+    "eta_threshold", "lease_seconds", "max_recoveries", "on_code_change", "on_divergence",
+    "serializer", "store_outage_timeout", "table_prefix",
 )
 # Environment variables the library reads besides the settings (the web view's token),
 # and prefixes left to test suites and benchmarks (this project's own use them).
@@ -66,6 +69,9 @@ class Config:
     # because a row names it.
     accept_serializers: tuple[str, ...] = ()
     max_recoveries: int = DEFAULT_MAX_RECOVERIES
+    # The Django database alias the store's URL was built from (``duraflow_database``,
+    # or ``default`` for a Django project's app); None when the URL was given as one.
+    django_alias: str | None = None
 
 
 def _as_count(value: Any, key: str, default: int) -> int:
@@ -173,17 +179,49 @@ def _as_bool(value: Any, key: str, default: bool) -> bool:
     raise ConfigurationError(f"{key} must be True or False, got {value!r}.")
 
 
-def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
+def _store_database(conf: Any, env: Mapping[str, str], django_project: bool
+                    ) -> tuple[URL, str | None, Mapping[str, Any]]:
+    """The store's URL, the Django alias it came from, and driver arguments from the alias.
+
+    ``duraflow_database_url`` wins over ``duraflow_database`` (an alias) where both are
+    set; the app's configuration wins over the environment; a Django project's app
+    (``django_project``) with neither falls back to the ``default`` alias, anything
+    else to the embedded SQLite file.
+    """
+    for source in (conf, None):
+        if source is None:
+            raw_url = env.get("DURAFLOW_DATABASE_URL")
+            alias = env.get("DURAFLOW_DATABASE")
+        else:
+            raw_url = _setting(source, "database_url")
+            alias = _setting(source, "database")
+        if raw_url is not None:
+            return parse_database_url(raw_url), None, {}
+        if alias is not None:
+            break
+    else:
+        if not django_project:
+            return parse_database_url(DEFAULT_DATABASE_URL), None, {}
+        alias = "default"
+    store = django_alias.resolve(alias)
+    return store.url, str(alias).strip(), store.connect_args
+
+
+def load_config(conf: Any, environ: Mapping[str, str] | None = None, *,
+                django_project: bool = False) -> Config:
     """Build a :class:`Config` from a Celery ``app.conf`` (or any mapping).
 
     Each setting is read from app.conf, then from ``DURAFLOW_<KEY>`` in the
     environment, then its default. Unknown keys are refused (:func:`check_keys`).
+    ``django_project``: the app is a Django project's (see
+    :func:`celery_duraflow.contrib.django._alias.is_django_project_app`), so with no
+    database set the store is Django's ``default`` alias, whose schema
+    ``manage.py migrate`` keeps (``duraflow_auto_migrate`` is then off unless set).
     """
     env = os.environ if environ is None else environ
     check_keys(conf, env)
 
-    raw_url = _setting(conf, "database_url", env)
-    url = parse_database_url(DEFAULT_DATABASE_URL if raw_url is None else raw_url)
+    url, alias, alias_connect_args = _store_database(conf, env, django_project)
 
     prefix = _setting(conf, "table_prefix", env)
     if prefix is None:
@@ -205,6 +243,11 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
         raise ConfigurationError(
             f"duraflow_engine_options must be a dict of create_engine() arguments, got {options!r}."
         )
+    if alias_connect_args:
+        # Driver arguments of the alias's OPTIONS that a URL cannot carry; the ones
+        # given in duraflow_engine_options win.
+        options = {**options, "connect_args": {**alias_connect_args,
+                                               **dict(options.get("connect_args") or {})}}
 
     accept = _setting(conf, "accept_serializers", env)
     if accept is None:
@@ -222,7 +265,9 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
         table_prefix=prefix,
         serializer=serializer,
         engine_options=MappingProxyType(dict(options)),
-        auto_migrate=_as_bool(_setting(conf, "auto_migrate", env), "duraflow_auto_migrate", True),
+        # On a Django alias the schema is manage.py migrate's to create and upgrade.
+        auto_migrate=_as_bool(_setting(conf, "auto_migrate", env), "duraflow_auto_migrate",
+                              alias is None),
         lease_seconds=_as_float(_setting(conf, "lease_seconds", env), "duraflow_lease_seconds",
                                 DEFAULT_LEASE_SECONDS, minimum=1.0),
         eta_threshold=_as_float(_setting(conf, "eta_threshold", env), "duraflow_eta_threshold",
@@ -237,15 +282,25 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None) -> Config:
         accept_serializers=tuple(sorted(set(accept))),
         max_recoveries=_as_count(_setting(conf, "max_recoveries", env),
                                  "duraflow_max_recoveries", DEFAULT_MAX_RECOVERIES),
+        django_alias=alias,
     )
 
 
 def config_for_app(app: Any) -> Config:
-    """The app's :class:`Config`, parsed on first use and cached on the app."""
+    """The app's :class:`Config`, parsed on first use and cached on the app.
+
+    A store on a Django alias is built again when the alias's settings changed
+    since (a test runner gives the alias its test database's name once it has
+    created it), so that it always reaches the database Django uses.
+    """
     cached: Config | None = getattr(app, _CACHE_ATTR, None)
-    if cached is None:
-        cached = load_config(app.conf)
-        setattr(app, _CACHE_ATTR, cached)
+    if cached is not None and (cached.django_alias is None or getattr(
+            app, _ALIAS_SNAPSHOT_ATTR, None) == django_alias.snapshot(cached.django_alias)):
+        return cached
+    cached = load_config(app.conf, django_project=django_alias.is_django_project_app(app))
+    if cached.django_alias is not None:
+        setattr(app, _ALIAS_SNAPSHOT_ATTR, django_alias.snapshot(cached.django_alias))
+    setattr(app, _CACHE_ATTR, cached)
     return cached
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.conf import settings
 
-from ..._config import DEFAULT_TABLE_PREFIX
+from ..._config import DEFAULT_TABLE_PREFIX, Config, load_config
 
 
 def _setting(name: str) -> Any:
@@ -29,3 +29,22 @@ def table_prefix() -> str:
     """The table prefix of the store (``DURAFLOW_TABLE_PREFIX``)."""
     prefix = _setting("TABLE_PREFIX")
     return str(prefix) if prefix is not None else DEFAULT_TABLE_PREFIX
+
+
+def _duraflow_settings() -> dict[str, Any]:
+    """Every ``DURAFLOW_*`` and ``CELERY_DURAFLOW_*`` Django setting, by name."""
+    return {name: getattr(settings, name) for name in dir(settings)
+            if name.startswith(("DURAFLOW_", "CELERY_DURAFLOW_"))}
+
+
+def store_config() -> Config:
+    """The store's configuration as this Django project's settings describe it.
+
+    What the project's Celery app reads too, when it takes its configuration
+    from Django's settings (``app.config_from_object("django.conf:settings",
+    namespace="CELERY")``): ``DURAFLOW_DATABASE`` (a ``DATABASES`` alias,
+    ``default`` unless set), or ``DURAFLOW_DATABASE_URL``, which wins; the other
+    ``DURAFLOW_*`` settings; then the ``DURAFLOW_*`` environment variables.
+    ``django_alias`` is None when the store is not on one of the project's aliases.
+    """
+    return load_config(_duraflow_settings(), django_project=True)
