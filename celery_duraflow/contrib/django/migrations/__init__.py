@@ -1,0 +1,1 @@
+"""The Django migrations of the store's schema (see ``.._migrate``)."""
