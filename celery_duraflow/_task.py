@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import random
@@ -15,6 +16,7 @@ from typing import Any, NoReturn
 from celery import Task
 from celery.exceptions import Ignore, Reject, Retry
 from celery.result import ResultBase
+from kombu.utils.imports import symbol_by_name
 
 from ._canvas import install_canvas_fixes
 from ._compensation import unwind
@@ -48,6 +50,7 @@ from ._store import (
     store_for,
 )
 from .errors import (
+    ConfigurationError,
     LeaseLost,
     RunArgumentsMismatch,
     RunCancelled,
@@ -99,7 +102,69 @@ def _nesting(request: Any) -> int:
         return 0
 
 
-class DurableTask(Task):  # type: ignore[misc]
+def _app_task_class(app: Any, bases: tuple[type, ...]) -> type | None:
+    """The app's own task class (``task_cls``), when a task class made for ``app`` from
+    ``bases`` should have it too: it is a Celery Task subclass other than Task itself
+    (Django's fix-up makes it ``DjangoTask``, with ``delay_on_commit()``), and none of
+    ``bases`` has it already."""
+    task_cls = getattr(app, "task_cls", None)
+    if task_cls is None:
+        return None
+    try:
+        cls = symbol_by_name(task_cls)  # type: ignore[no-untyped-call]
+    except Exception:  # Celery reports a task_cls it cannot import itself, in app.Task
+        return None
+    if (not isinstance(cls, type) or cls is Task or not issubclass(cls, Task)
+            or issubclass(cls, DurableTask) or any(issubclass(base, cls) for base in bases)):
+        return None
+    return cls
+
+
+class _DurableTaskType(type):
+    """The class of DurableTask classes: ``@app.task(base=DurableTask)`` keeps what the
+    app's own task class adds.
+
+    Celery builds a decorated task's class from ``base`` alone, so with
+    ``base=DurableTask`` the methods of the app's ``task_cls`` would be lost: in a
+    Django project, ``delay_on_commit()`` and ``apply_async_on_commit()`` of Celery's
+    ``DjangoTask``. The app's class is added after the bases, so DurableTask's own
+    methods come first and reach it through ``super()``.
+    """
+
+    def __new__(mcs, name: str, bases: tuple[type, ...], namespace: dict[str, Any],
+                **kwargs: Any) -> _DurableTaskType:
+        app_class = (_app_task_class(namespace["app"], bases)
+                     if "app" in namespace and bases else None)
+        if app_class is not None:
+            try:
+                return super().__new__(mcs, name, (*bases, app_class), namespace, **kwargs)
+            except TypeError:
+                # No consistent method order with it (a task_cls that derives from one
+                # of the bases in another order): the task is built as Celery would.
+                logger.warning("task %s cannot also derive from the app's task class %s",
+                               namespace.get("name", name), app_class.__qualname__)
+        return super().__new__(mcs, name, bases, namespace, **kwargs)
+
+
+def _on_commit(task: Any, method: str, send: Any) -> None:
+    """Run ``send`` when the current Django database transaction commits (at once outside
+    one); a clear error outside a Django project."""
+    try:
+        from django.conf import settings
+        from django.db import transaction
+    except ImportError:
+        settings = None
+    if settings is None or not settings.configured:
+        raise ConfigurationError(
+            f"{task.name}.{method}() sends the task once the Django database transaction "
+            "commits, and there is no Django project here ("
+            + ("Django is not installed" if settings is None
+               else "DJANGO_SETTINGS_MODULE is not set") + "). Call "
+            + ("delay()" if method == "delay_on_commit" else "apply_async()") + " instead.")
+    transaction.on_commit(send)
+
+
+class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
     """Base class for Celery tasks whose steps survive retries.
 
     Use it as ``@app.task(base=DurableTask)`` (with or without ``bind=True``)
@@ -136,6 +201,31 @@ class DurableTask(Task):  # type: ignore[misc]
             code_fingerprint(cls.run)
         install_signal_handlers()
         install_canvas_fixes(DurableTask)
+
+    def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """``delay()`` once the current Django database transaction commits; never if it
+        rolls back.
+
+        The app's own task class does it when it has this method (Celery's
+        ``DjangoTask`` in a Django project); otherwise Django's
+        ``transaction.on_commit()`` does. Outside a Django project it raises
+        ConfigurationError.
+        """
+        own = getattr(super(), "delay_on_commit", None)
+        if own is not None:
+            own(*args, **kwargs)
+            return
+        _on_commit(self, "delay_on_commit", functools.partial(self.delay, *args, **kwargs))
+
+    def apply_async_on_commit(self, *args: Any, **kwargs: Any) -> None:
+        """``apply_async()`` once the current Django database transaction commits; never
+        if it rolls back. See :meth:`delay_on_commit`."""
+        own = getattr(super(), "apply_async_on_commit", None)
+        if own is not None:
+            own(*args, **kwargs)
+            return
+        _on_commit(self, "apply_async_on_commit",
+                   functools.partial(self.apply_async, *args, **kwargs))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request

@@ -75,3 +75,13 @@ DATABASES = {
 # Celery, read by celery_app.py with the CELERY namespace.
 CELERY_BROKER_URL = os.environ.get("DURAFLOW_TEST_BROKER_URL", "redis://127.0.0.1:6379/9")
 CELERY_TASK_ALWAYS_EAGER = False
+
+# A real `celery worker` the tests start (test_django_on_commit.py) runs on the test
+# databases pytest-django created for this session, whose names it inherits through
+# DURAFLOW_TEST_DJANGO_DB.
+if os.environ.get("DURAFLOW_TEST_DJANGO_WORKER") == "1":
+    for _database in DATABASES.values():
+        _database["NAME"] = _database["TEST"]["NAME"]
+
+# This session's tasks go to a queue of its own on the shared Redis server.
+CELERY_TASK_DEFAULT_QUEUE = f"duraflow-django-{_suffix}"
