@@ -18,6 +18,7 @@ from ._task import DurableTask
 from ._view import RunView, StepView, get_run
 from ._waits import child, send_signal, sleep, wait_for_signal
 from .errors import (
+    AtomicStepError,
     ChildFailed,
     ChildTimeout,
     ConfigurationError,
@@ -48,6 +49,7 @@ from .errors import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AtomicStepError",
     "ChildFailed",
     "ChildTimeout",
     "ConfigurationError",

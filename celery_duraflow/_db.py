@@ -42,6 +42,7 @@ from sqlalchemy.exc import (
     TimeoutError as PoolTimeoutError,
 )
 
+from . import _atomic
 from ._schema import LATEST_VERSION, Tables, build_tables, current_version, migrate
 from .errors import ConfigurationError, StoreMisconfigured, StoreUnavailable
 
@@ -107,6 +108,8 @@ try:  # the hot path runs some statements on the psycopg connection itself
 except ImportError:  # pragma: no cover - psycopg is a dependency
     pass
 
+# SQLSTATE invalid_sql_statement_name: "prepared statement ... does not exist".
+_NO_SUCH_STATEMENT = "26000"
 # Names of the statements prepared for the raw path: one per Prepared, in this process.
 _raw_names = itertools.count(1)
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s|%%")
@@ -288,6 +291,7 @@ class Database:
             _sqlite_engine_events(engine)
         elif self.dialect == "postgresql" and url.get_driver_name() == "psycopg":
             _postgres_engine_events(engine)
+        _atomic.guard_engine(engine)
         return engine
 
     def _transactional(self) -> Engine:
@@ -491,6 +495,11 @@ class Database:
         """
         if not self._schema_ready:
             self.ensure_schema(task_id, step_key)
+        if _atomic._OPEN.get():
+            routed = _atomic.routed(self)
+            if routed is not None:  # inside an atomic step's transaction (SQLite, Django)
+                with self._unavailable(action, task_id, step_key):
+                    return self.execute(routed, prepared, params)
         if prepared.sql:
             try:
                 conn = self._held_conn()
@@ -515,7 +524,11 @@ class Database:
         """A connection for one write that is durable when the block ends."""
         self.ensure_schema(task_id, step_key)
         with self._unavailable(action, task_id, step_key):
-            if self.dialect == "postgresql":
+            routed = _atomic.routed(self)
+            if routed is not None:
+                # Inside an atomic step's transaction: the write commits with it.
+                yield routed
+            elif self.dialect == "postgresql":
                 # One statement, committed by the server on its own (an autocommit engine).
                 with self._connect() as conn:
                     yield conn
@@ -528,7 +541,10 @@ class Database:
               step_key: str | None = None) -> Iterator[Connection]:
         self.ensure_schema(task_id, step_key)
         with self._unavailable(action, task_id, step_key):
-            if self.dialect == "postgresql":
+            routed = _atomic.routed(self)
+            if routed is not None:
+                yield routed  # an atomic step's transaction sees its own writes
+            elif self.dialect == "postgresql":
                 with self._connect() as conn:
                     yield conn
             else:
@@ -560,6 +576,22 @@ class Database:
         self.ensure_schema(task_id)
         with self._unavailable(action, task_id), self._transactional().begin() as conn:
             yield conn
+
+    def atomic(self, task_id: str, step_key: str) -> _atomic.AtomicTransaction:
+        """Open the transaction of an atomic step's body (see :mod:`._atomic`).
+
+        In a Django project whose store is one of its database aliases, it is
+        ``transaction.atomic()`` on that alias, on Django's connection.
+        """
+        self.ensure_schema(task_id, step_key)
+        _atomic.refuse_other_store(self, task_id, step_key)
+        with self._unavailable("starting the atomic step's transaction", task_id, step_key):
+            alias = getattr(self.config, "django_alias", None)
+            if alias is not None:
+                from .contrib.django._atomic import begin_django
+
+                return begin_django(self, alias, task_id, step_key)
+            return _atomic.begin_native(self, task_id, step_key)
 
     def for_update(self, query: Select[Any], **options: Any) -> Select[Any]:
         """``query`` locking the rows it selects until the transaction ends: FOR UPDATE
@@ -657,8 +689,17 @@ class Database:
             _check(pgconn, pgconn.prepare(prepared.raw_name, prepared.raw_sql))
             done.add(prepared.raw_name)
         values = {**(prepared.defaults or {}), **params}
-        result = _check(pgconn, pgconn.exec_prepared(
-            prepared.raw_name, [_as_text(values[name]) for name in prepared.raw_names]))
+        args = [_as_text(values[name]) for name in prepared.raw_names]
+        result = pgconn.exec_prepared(prepared.raw_name, args)
+        if (result.status == pq.ExecStatus.FATAL_ERROR
+                and result.error_field(pq.DiagnosticField.SQLSTATE) == _NO_SUCH_STATEMENT
+                and pgconn.transaction_status == pq.TransactionStatus.IDLE):
+            # Deallocated behind our back: psycopg sends DEALLOCATE ALL after a rollback
+            # (an atomic step's) or DDL on the connection once it has prepared anything.
+            # Outside a transaction nothing was aborted: prepare it again, once.
+            _check(pgconn, pgconn.prepare(prepared.raw_name, prepared.raw_sql))
+            result = pgconn.exec_prepared(prepared.raw_name, args)
+        result = _check(pgconn, result)
         return Executed((), (), int(result.command_tuples or 0))
 
     def execute(self, conn: Connection, prepared: Prepared,

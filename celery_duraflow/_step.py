@@ -9,8 +9,9 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
+from ._atomic import AtomicTransaction
 from ._context import RunContext, Suspended, Unwind, current_run, describe
 from ._fingerprint import code_fingerprint
 from ._lease import keeper
@@ -27,6 +28,7 @@ from ._store import (
     StepRecord,
 )
 from .errors import (
+    AtomicStepError,
     DuraflowError,
     InvalidStepName,
     LeaseLost,
@@ -42,6 +44,9 @@ from .errors import (
     UnsupportedCode,
 )
 from .signals import step_failed, step_replayed, step_started, step_succeeded
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Connection
 
 logger = logging.getLogger("celery_duraflow.step")
 
@@ -127,6 +132,7 @@ class StepContext:
             this step of this run. Pass it to payment and booking APIs.
         position: where the step was reached among its parent's steps (the
             run's top-level steps, or the steps nested in one step): 1 for the first.
+        atomic: True for a step declared with ``atomic=True``; see :attr:`connection`.
     """
 
     __slots__ = (
@@ -143,6 +149,8 @@ class StepContext:
         "_running",
         "_should_run",
         "_started_at",
+        "_tx",
+        "atomic",
         "attempt",
         "cached",
         "in_doubt",
@@ -154,12 +162,17 @@ class StepContext:
 
     def __init__(self, name: str, *, input: Any = _NO_INPUT,
                  compensate: Callable[[Any], Any] | None = None,
-                 on_in_doubt: str = "rerun") -> None:
+                 on_in_doubt: str = "rerun", atomic: bool = False) -> None:
         ctx = current_run.get()
         self.name = check_name(name, ctx)
         if on_in_doubt not in ("rerun", "raise"):
             raise ValueError(f"on_in_doubt must be 'rerun' or 'raise', got {on_in_doubt!r}")
         self._on_in_doubt = on_in_doubt
+        if not isinstance(atomic, bool):
+            raise TypeError(f"atomic= of step {name!r} must be True or False, got "
+                            f"{describe(atomic)}")
+        self.atomic = atomic
+        self._tx: AtomicTransaction | None = None
         if ctx is None:
             raise NotInDurableTask(
                 f"step {name!r} was reached outside a durable task run, so its output would not "
@@ -206,6 +219,29 @@ class StepContext:
     @property
     def idempotency_key(self) -> str:
         return str(uuid.uuid5(_IDEMPOTENCY_NAMESPACE, f"{self._ctx.task_id}/{self.key}"))
+
+    @property
+    def connection(self) -> Connection:
+        """The SQLAlchemy ``Connection`` of an atomic step's transaction, while its body runs.
+
+        Writes made on it commit together with the step's record when the body
+        ends, or not at all. Do not commit or roll it back yourself: raise an
+        exception to roll back. In a Django project whose store is a Django
+        database alias, ORM calls on that alias in the body are in the same
+        transaction, and this is a connection over Django's own.
+        """
+        tx = self._tx
+        if tx is None or tx.ended:
+            if not self.atomic:
+                why = "it is not atomic: declare it with step(..., atomic=True)"
+            elif self.cached:
+                why = "it completed in an earlier attempt, so its body does not run"
+            else:
+                why = "its body is not running"
+            raise AtomicStepError(
+                f"step {self.key!r} of task {self._ctx.task_id} has no transaction: {why}.",
+                task_id=self._ctx.task_id, step_key=self.key)
+        return tx.connection
 
     # -- the two ways in ------------------------------------------------------------------
 
@@ -283,8 +319,9 @@ class StepContext:
             # anything (the dead owner was in it, or had not reached it: we cannot tell).
             # A step that claims before its body (on_in_doubt="raise") knows exactly.
             claimed_and_unfinished = prior is not None and prior.status == STEP_RUNNING
-            self.in_doubt = claimed_and_unfinished or (
-                self._on_in_doubt != "raise" and ctx.interrupted and not ctx.recorded_any)
+            # An atomic step never is: an attempt that died in its body committed nothing.
+            self.in_doubt = not self.atomic and (claimed_and_unfinished or (
+                self._on_in_doubt != "raise" and ctx.interrupted and not ctx.recorded_any))
             if self.in_doubt and self._on_in_doubt == "raise":
                 raise StepInDoubt(
                     f"step {self.key!r} of task {ctx.task_id} may have been started by an "
@@ -298,7 +335,7 @@ class StepContext:
             self.attempt = (prior.attempts if prior is not None else 0) + 1
             self._new = prior is None
             ctx.store.check_reachable(ctx.task_id, self.key)
-            if self._on_in_doubt == "raise":
+            if self._on_in_doubt == "raise" and not self.atomic:
                 # Only this policy needs a record that the body started, to recognise an
                 # interruption later; every other step is written once, when it ends.
                 claim = ctx.store.claim_step(ctx.task_id, self.key, ctx.owner, prior,
@@ -322,6 +359,9 @@ class StepContext:
             if step_started.receivers:
                 step_started.send(sender=ctx.task, task_id=ctx.task_id, step_key=self.key,
                                   attempt=self.attempt)
+            if self.atomic:
+                # Last, so that nothing between here and the body can leave it open.
+                self._tx = ctx.store.atomic(ctx.task_id, self.key)
         ctx.stack.append(self)
 
     def _lease_lost(self) -> LeaseLost:
@@ -396,6 +436,10 @@ class StepContext:
         if not self._running:
             return  # cached: nothing to record
         self._running = False
+        tx = self._tx
+        if tx is not None:
+            self._end_atomic(tx, exc)
+            return
         if isinstance(exc, Suspended | Unwind):
             # A wait inside this step suspended the run: the step has not ended. The next
             # attempt enters it again, and its finished children answer from the store.
@@ -442,6 +486,43 @@ class StepContext:
             step_succeeded.send(
                 sender=ctx.task, task_id=ctx.task_id, step_key=self.key, attempt=self.attempt,
                 duration=(datetime.now(UTC) - self._started_at).total_seconds())
+
+    def _end_atomic(self, tx: AtomicTransaction, exc: BaseException | None) -> None:
+        """End an atomic step: commit its body's writes with its record, or neither."""
+        ctx = self._ctx
+        store = ctx.store
+        self._tx = None
+        if exc is None:
+            try:
+                tx.check()
+                if not store.fence_atomic(ctx.task_id, self.key, ctx.owner):
+                    raise LeaseLost(
+                        f"task {ctx.task_id} lost its lease while its atomic step {self.key!r} "
+                        "ran: another attempt took the run over, so nothing of the body was "
+                        "committed and nothing was recorded. The run goes on under its new "
+                        "owner; nothing needs to be done.",
+                        task_id=ctx.task_id, step_key=self.key)
+                self._running = True
+                self._end(None)  # the record, inside the transaction
+            except BaseException as error:
+                self._running = False
+                tx.abort()
+                if error is ctx.fatal:
+                    # An output that cannot be stored: the run fails for good, and that
+                    # is recorded outside the transaction that was just rolled back.
+                    self._record(STEP_FAILED, error=_error_text(error), body_exit=BODY_FATAL)
+                    ctx.failed_step = self.key
+                raise
+            with store._unavailable("committing the atomic step", ctx.task_id, self.key):
+                tx.finish()
+            return
+        # The body failed: roll back first, then record the failure outside the
+        # transaction (or in the outer atomic step's), as for any step.
+        tx.abort()
+        if isinstance(exc, Suspended | Unwind):
+            return
+        self._running = True
+        self._end(exc)
 
     def _record(self, status: str, *, output: str | None = None, error: str | None = None,
                 body_exit: str | None = None, returned: str | None = None) -> None:
@@ -642,7 +723,7 @@ def _decode(ctx: RunContext, record: StepRecord) -> Any:
 
 
 def step(name: str, *, input: Any = _NO_INPUT, compensate: Callable[[Any], Any] | None = None,
-         on_in_doubt: str = "rerun") -> StepContext:
+         on_in_doubt: str = "rerun", atomic: bool = False) -> StepContext:
     """Declare a durable step of the running task.
 
     ``input``, when given, is fingerprinted and stored with the step: a
@@ -670,5 +751,16 @@ def step(name: str, *, input: Any = _NO_INPUT, compensate: Callable[[Any], Any] 
     or in its functional form, which works in any code::
 
         booking = step("book-flight").run(airline.book, flight)
+
+    ``atomic=True`` runs the body inside a transaction on the store's own
+    database and writes the step's record in that same transaction: the body's
+    writes (on ``s.connection``, or through the Django ORM on the store's alias)
+    and the record commit together or not at all, so such a step happens
+    exactly once. An atomic step is never in doubt, and may not wait, sleep or
+    start a child run inside its body::
+
+        with step("save-order", atomic=True) as s:
+            s.connection.execute(orders.insert().values(number=number))
     """
-    return StepContext(name, input=input, compensate=compensate, on_in_doubt=on_in_doubt)
+    return StepContext(name, input=input, compensate=compensate, on_in_doubt=on_in_doubt,
+                       atomic=atomic)

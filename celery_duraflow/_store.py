@@ -648,6 +648,16 @@ class Store(WaitStatements):
                 .returning(*steps.c)
             ),
         }
+        # An atomic step's fence, inside its transaction just before its record: the run's
+        # row is locked until the commit, and its lease pushed forward, so a take-over
+        # waiting on the lock finds the lease held and the step recorded (see fence_atomic).
+        statements["fence"] = (
+            update(runs)
+            .where(runs.c.task_id == bindparam("p_task_id"),
+                   runs.c.lease_owner == bindparam("p_owner"))
+            .values(lease_expires_at=bindparam("p_lease_expires_at",
+                                               type_=runs.c.lease_expires_at.type))
+        )
         ended = ["task_id", "step_key", "status", "attempts", "output", "serializer",
                  "started_at", "completed_at", "position", "input_fingerprint",
                  "code_fingerprint", "body_exit", "returned"]
@@ -717,6 +727,19 @@ class Store(WaitStatements):
         with self._write("claiming the step", task_id, step_key) as conn:
             row = conn.execute(stmt, params).first()
         return StepRecord.from_row(row) if row is not None else None
+
+    def fence_atomic(self, task_id: str, step_key: str, owner: str) -> bool:
+        """Inside an atomic step's transaction: lock the run's row if ``owner`` still holds
+        its lease, and extend the lease; False if it is gone.
+
+        Nothing can take the run over between this and the commit: a take-over
+        (or the sweep) waits for the row lock, then finds the lease extended and
+        leaves the run alone; its next look sees the step's record.
+        """
+        params = {"p_task_id": task_id, "p_owner": owner,
+                  "p_lease_expires_at": utc_now() + timedelta(seconds=self.config.lease_seconds)}
+        with self._write("fencing the atomic step", task_id, step_key) as conn:
+            return bool(conn.execute(self._step_statements["fence"], params).rowcount)
 
     def record_step(self, task_id: str, step_key: str, owner: str, *, status: StepStatus,
                     started_at: datetime, output: str | None = None,

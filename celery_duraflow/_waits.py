@@ -24,6 +24,7 @@ from typing import Any
 
 from celery import shared_task
 
+from . import _atomic
 from ._config import Config, app_and_config
 from ._context import RunContext, Suspended, current_run, describe
 from ._limits import check_signal_name, check_task_id, moment
@@ -47,6 +48,7 @@ from ._store import (
 )
 from ._task import DurableTask
 from .errors import (
+    AtomicStepError,
     ChildFailed,
     ChildTimeout,
     LeaseLost,
@@ -81,6 +83,16 @@ class _Wait:
                 "Celery.",
                 step_key=name,
             )
+        atomic = _atomic.innermost()
+        if atomic is not None:
+            # The run would suspend with the step's transaction open: it must end first.
+            error = AtomicStepError(
+                f"{kind} {name!r} in task {ctx.task_id} is inside atomic step "
+                f"{atomic.step_key!r}, whose transaction must commit before the run can "
+                f"suspend. Put the {kind} before or after the atomic step.",
+                task_id=ctx.task_id, step_key=atomic.step_key)
+            ctx.fatal = error
+            raise error
         self.ctx: RunContext = ctx
         self.kind = kind
         self.key, self.position = ctx.next_key(name)

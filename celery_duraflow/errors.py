@@ -130,6 +130,16 @@ class UnsupportedCode(DuraflowError, TypeError):
     """
 
 
+class AtomicStepError(DuraflowError, RuntimeError):
+    """An atomic step whose transaction cannot hold what it promises.
+
+    Its body committed or rolled back the step's transaction itself, left it
+    failed, wrote to another database than the store's, waited inside it, or the
+    step was nested in an atomic step of another store. Nothing of the body is
+    committed and no output is recorded.
+    """
+
+
 class NotInDurableTask(DuraflowError, RuntimeError):
     """A step was reached while no durable run was active in this context."""
 

@@ -28,6 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = "celery_duraflow"
 #: The optional extra a function may import on demand: the web view and its submodules.
 OPTIONAL = f"{PACKAGE}.web"
+# The framework integrations, each an optional extra (Django, ...): imported where used.
+CONTRIB = f"{PACKAGE}.contrib"
 
 
 @dataclass(frozen=True)
@@ -229,10 +231,11 @@ def test_no_import_cycles() -> None:
 
 
 def test_function_level_imports_only_load_optional_extras() -> None:
-    """Package modules are imported at the top of a file, except the optional web extra."""
+    """Package modules are imported at the top of a file, except the optional extras."""
     offending = [
         f"{imp.where()} {imp.target}" for imp in _imports()
-        if imp.local and not (imp.target == OPTIONAL or imp.target.startswith(OPTIONAL + "."))
+        if imp.local and not any(imp.target == extra or imp.target.startswith(extra + ".")
+                                 for extra in (OPTIONAL, CONTRIB))
     ]
     assert not offending, (
         "package modules imported inside a function or class body (import them at module "
