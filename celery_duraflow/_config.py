@@ -30,8 +30,8 @@ _PREFIX_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,39}$")
 
 # The attribute under which the parsed config is cached on the Celery app.
 _CACHE_ATTR = "_duraflow_config"
-# Next to it, for a store on a Django alias: what its URL was built from.
-_ALIAS_SNAPSHOT_ATTR = "_duraflow_alias_snapshot"
+# Next to it, for a store on a Django alias: what notices that the alias changed.
+_ALIAS_WATCH_ATTR = "_duraflow_alias_watch"
 
 # Every setting there is (``duraflow_<key>`` in app.conf, ``CELERY_DURAFLOW_<KEY>`` with the
 # CELERY namespace, ``DURAFLOW_<KEY>`` in the environment). A key not in this list is a
@@ -294,12 +294,12 @@ def config_for_app(app: Any) -> Config:
     created it), so that it always reaches the database Django uses.
     """
     cached: Config | None = getattr(app, _CACHE_ATTR, None)
-    if cached is not None and (cached.django_alias is None or getattr(
-            app, _ALIAS_SNAPSHOT_ATTR, None) == django_alias.snapshot(cached.django_alias)):
+    if cached is not None and (cached.django_alias is None
+                               or not getattr(app, _ALIAS_WATCH_ATTR).changed()):
         return cached
     cached = load_config(app.conf, django_project=django_alias.is_django_project_app(app))
     if cached.django_alias is not None:
-        setattr(app, _ALIAS_SNAPSHOT_ATTR, django_alias.snapshot(cached.django_alias))
+        setattr(app, _ALIAS_WATCH_ATTR, django_alias.AliasWatch(cached.django_alias))
     setattr(app, _CACHE_ATTR, cached)
     return cached
 

@@ -187,12 +187,29 @@ def resolve(alias: Any, *, key: str = "duraflow_database") -> AliasStore:
     return AliasStore(url, connect_args)
 
 
-def snapshot(alias: str) -> tuple[Any, ...]:
-    """What the store's URL of ``alias`` is built from, to notice that it changed (a test
-    runner renames the database when it creates the test database)."""
-    settings = _settings()
-    spec = (getattr(settings, "DATABASES", None) or {}).get(alias) if settings else None
-    if not spec:
-        return ()
-    return (id(spec), spec.get("ENGINE"), spec.get("NAME"), spec.get("HOST"), spec.get("PORT"),
-            spec.get("USER"), spec.get("PASSWORD"))
+class AliasWatch:
+    """Notices that what an alias's store URL was built from has changed: a test runner
+    renames the database in the alias's settings once it has created the test database.
+
+    The check runs at the start of every attempt, so it reads the alias's own settings
+    dictionary, held here, and nothing else: Django (and pytest-django) change the
+    NAME in that dictionary, in place.
+    """
+
+    __slots__ = ("spec", "values")
+
+    def __init__(self, alias: str) -> None:
+        settings = _settings()
+        databases = getattr(settings, "DATABASES", None) if settings is not None else None
+        spec = databases.get(alias) if isinstance(databases, dict) else None
+        self.spec: dict[str, Any] = spec if isinstance(spec, dict) else {}
+        self.values = self._values()
+
+    def _values(self) -> tuple[Any, ...]:
+        get = self.spec.get
+        return (get("NAME"), get("ENGINE"), get("HOST"), get("PORT"), get("USER"),
+                get("PASSWORD"))
+
+    def changed(self) -> bool:
+        """True when the alias's settings are no longer those the URL was built from."""
+        return self._values() != self.values
