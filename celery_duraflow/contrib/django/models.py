@@ -1,0 +1,158 @@
+"""Read-only Django models over the store's own tables, for the admin.
+
+The library creates and upgrades these tables itself (see
+``celery_duraflow._schema``), so every model here is unmanaged: Django never
+creates, alters or drops them, and ``makemigrations`` only records that they
+exist. Nothing is written through these models either; the runs are changed
+by the library's operations (``send_signal``, ``cancel``, ``retry_run``),
+which the admin calls. The table names follow ``conf.table_prefix()``.
+
+What the schema holds, and how it is mapped:
+
+* runs: one row per run, keyed by its Celery task id. What a sleeping or
+  waiting run waits for is kept on its row (``wait_kind``, ``waiting_for``,
+  ``wake_at``); there is no separate table of waits. A child run names its
+  parent in ``parent_id``.
+* steps: keyed by ``(task_id, step_key)``; a wait that was reached is a step
+  row too (status ``waiting`` until it ends).
+* signals: keyed by ``(task_id, name)``; the first signal of a name is kept.
+
+Steps and signals have composite primary keys, declared with Django's
+``CompositePrimaryKey``. Their ``run`` is a foreign key without a database
+constraint (the schema has none: a step row is written under the run's lease).
+"""
+
+from __future__ import annotations
+
+from typing import Any, get_args
+
+from django.db import models
+
+from ..._records import RUN_STATUSES, StepStatus, WaitKind
+from ..._schema import STEP_KEY_LENGTH, TASK_ID_LENGTH
+from . import conf
+
+RUN_STATUS_CHOICES = tuple((status, status) for status in RUN_STATUSES)
+STEP_STATUS_CHOICES = tuple((status, status) for status in get_args(StepStatus))
+WAIT_KIND_CHOICES = tuple((kind, kind) for kind in get_args(WaitKind))
+
+
+class ReadOnlyModel(models.Model):
+    """A row the library owns: saving or deleting it through Django is refused."""
+
+    class Meta:
+        abstract = True
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(f"{type(self).__name__} rows are written by celery-duraflow only: use "
+                        "send_signal, cancel or retry_run to change a run.")
+
+    def delete(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{type(self).__name__} rows are deleted by `celery duraflow prune` "
+                        "only.")
+
+
+class Run(ReadOnlyModel):
+    """One durable run (a row of ``<prefix>runs``)."""
+
+    task_id = models.CharField(max_length=TASK_ID_LENGTH, primary_key=True)
+    task_name = models.CharField(max_length=255)
+    status = models.CharField(max_length=16, choices=RUN_STATUS_CHOICES)
+    attempts = models.IntegerField()
+    result = models.TextField(null=True)
+    serializer = models.CharField(max_length=100, null=True)
+    error = models.TextField(null=True)
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True)
+    lease_owner = models.CharField(max_length=200, null=True)
+    lease_expires_at = models.DateTimeField(null=True)
+    args = models.TextField(null=True)
+    args_fingerprint = models.CharField(max_length=64, null=True)
+    exchange = models.CharField(max_length=255, null=True)
+    routing_key = models.CharField(max_length=255, null=True)
+    retries = models.IntegerField()
+    recoveries = models.IntegerField()
+    interrupted = models.BooleanField()
+    wait_kind = models.CharField(max_length=16, null=True, choices=WAIT_KIND_CHOICES)
+    waiting_for = models.CharField(max_length=STEP_KEY_LENGTH, null=True)
+    wake_at = models.DateTimeField(null=True)
+    parent_id = models.CharField(max_length=TASK_ID_LENGTH, null=True)
+    code_fingerprint = models.CharField(max_length=64, null=True)
+    unwinding = models.CharField(max_length=16, null=True)
+    pruned_at = models.DateTimeField(null=True)
+    replaced_by = models.CharField(max_length=TASK_ID_LENGTH, null=True)
+
+    class Meta:
+        managed = False
+        db_table = f"{conf.table_prefix()}runs"
+        verbose_name = "run"
+        verbose_name_plural = "runs"
+        ordering = ("-created_at", "-task_id")
+        # Runs are only read here: no add, change or delete permission exists. What
+        # an operator may do to a run is one permission per kind of decision.
+        default_permissions = ("view",)
+        permissions = (
+            ("approve_run", "Can approve or reject a run that waits for a signal"),
+            ("cancel_run", "Can cancel a run"),
+            ("retry_run", "Can retry a run that ended"),
+        )
+
+    def __str__(self) -> str:
+        return str(self.task_id)
+
+
+class Step(ReadOnlyModel):
+    """One recorded step of a run (a row of ``<prefix>steps``)."""
+
+    pk = models.CompositePrimaryKey("run_id", "step_key")
+    run = models.ForeignKey(Run, on_delete=models.DO_NOTHING, db_column="task_id",
+                            db_constraint=False, related_name="steps")
+    step_key = models.CharField(max_length=STEP_KEY_LENGTH)
+    status = models.CharField(max_length=16, choices=STEP_STATUS_CHOICES)
+    attempts = models.IntegerField()
+    output = models.TextField(null=True)
+    serializer = models.CharField(max_length=100, null=True)
+    error = models.TextField(null=True)
+    started_at = models.DateTimeField()
+    completed_at = models.DateTimeField(null=True)
+    position = models.IntegerField(null=True)
+    input_fingerprint = models.CharField(max_length=64, null=True)
+    code_fingerprint = models.CharField(max_length=64, null=True)
+    body_exit = models.CharField(max_length=16, null=True)
+    returned = models.TextField(null=True)
+
+    class Meta:
+        managed = False
+        db_table = f"{conf.table_prefix()}steps"
+        verbose_name = "step"
+        verbose_name_plural = "steps"
+        ordering = ("started_at", "step_key")
+        # Shown on the run's page, under the run's own view permission.
+        default_permissions = ()
+
+    def __str__(self) -> str:
+        return f"{self.run_id} {self.step_key}"
+
+
+class Signal(ReadOnlyModel):
+    """One signal stored for a run (a row of ``<prefix>signals``)."""
+
+    pk = models.CompositePrimaryKey("run_id", "name")
+    run = models.ForeignKey(Run, on_delete=models.DO_NOTHING, db_column="task_id",
+                            db_constraint=False, related_name="signals")
+    name = models.CharField(max_length=STEP_KEY_LENGTH)
+    payload = models.TextField(null=True)
+    serializer = models.CharField(max_length=100, null=True)
+    sent_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = f"{conf.table_prefix()}signals"
+        verbose_name = "signal"
+        verbose_name_plural = "signals"
+        ordering = ("sent_at", "name")
+        default_permissions = ()
+
+    def __str__(self) -> str:
+        return f"{self.run_id} {self.name}"
