@@ -1,0 +1,391 @@
+"""The Django admin for durable runs: list them, read one, approve, reject, cancel, retry.
+
+Everything shown is read from the store's database alias (``conf.store_alias()``)
+through the read-only models; nothing can be added, changed or deleted here.
+The four actions call the library's own operations, which hold the rules:
+
+* **approve** / **reject**: :func:`celery_duraflow.send_signal` with
+  ``{"approved": True}`` / ``{"approved": False}`` under the name of the signal
+  the run waits for (as the web view does);
+* **cancel**: :func:`celery_duraflow.cancel`;
+* **retry**: :func:`celery_duraflow.retry_run` (from a chosen step on the run's page).
+
+Each is an action of the list of runs and a button on a run's page, and each
+needs its own permission on the Run model: ``duraflow.approve_run`` (approve
+and reject), ``duraflow.cancel_run`` and ``duraflow.retry_run``; seeing runs
+needs ``duraflow.view_run``. They are separate from Django's change permission
+because none of them edits a row: deciding a payment, stopping work and
+starting it again are different decisions, often given to different people.
+Every action is a POST that Django's CSRF protection checks; what an operation
+refuses (``RunStateError``, ``RunNotFound``...) is shown as a message.
+
+The operations use the Celery app named by the ``DURAFLOW_CELERY_APP`` setting
+(the app itself, or its dotted path such as ``"proj.celery.app"`` or
+``"proj.celery:app"``), else Celery's current app, which a project laid out as
+Celery's Django guide says (``proj/__init__.py`` importing the app) already has.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from functools import partial, update_wrapper
+from typing import Any
+
+from django.contrib import admin, messages
+from django.contrib.admin.utils import quote, unquote
+from django.core.exceptions import ImproperlyConfigured, PermissionDenied
+from django.http import HttpResponseNotAllowed, HttpResponseRedirect
+from django.urls import path, reverse
+from django.utils.module_loading import import_string
+
+from ..._compensation import COMPENSATION_PREFIX
+from ..._config import app_and_config
+from ..._format import clip, json_text, run_note, span, step_duration, waits_for
+from ..._operations import cancel, retry_run
+from ..._records import FINISHED, STEP_RUNNING, STEP_WAITING, WAITING
+from ..._serialization import Unreadable, decode
+from ..._waits import send_signal
+from ...errors import DuraflowError
+from . import conf
+from .models import Run, Signal, Step
+
+logger = logging.getLogger("celery_duraflow.contrib.django.admin")
+
+#: Longest text shown for one stored value on a run's page.
+MAX_SHOWN = 20_000
+#: Longest preview of a step's output or error in the steps table.
+PREVIEW = 200
+#: The buttons of a run's page, each at ``<run>/<action>/``.
+RUN_ACTIONS = ("approve", "reject", "cancel", "retry")
+#: How many task ids one message names before saying how many more.
+NAMED = 10
+
+
+def celery_app() -> Any:
+    """The Celery app the actions use: ``DURAFLOW_CELERY_APP``, else None (Celery's
+    current app, which the library falls back to)."""
+    chosen = conf._setting("CELERY_APP")
+    if chosen is None or not isinstance(chosen, str):
+        return chosen
+    try:
+        return import_string(chosen.replace(":", "."))
+    except ImportError as exc:
+        raise ImproperlyConfigured(f"DURAFLOW_CELERY_APP = {chosen!r} cannot be imported "
+                                   f"({exc}); name the Celery app as 'proj.celery.app'.") from exc
+
+
+def _names(task_ids: list[str]) -> str:
+    shown = ", ".join(task_ids[:NAMED])
+    more = len(task_ids) - NAMED
+    return f"{shown} and {more} more" if more > 0 else shown
+
+
+class _Outcome:
+    """What one action did to each run, said in as few messages as possible."""
+
+    def __init__(self) -> None:
+        self.done: dict[str, list[str]] = {}
+        self.problems: list[tuple[int, str]] = []
+
+    def ok(self, summary: str, task_id: str) -> None:
+        self.done.setdefault(summary, []).append(task_id)
+
+    def refuse(self, text: str, level: int = messages.ERROR) -> None:
+        self.problems.append((level, text))
+
+    def tell(self, request: Any) -> None:
+        for summary, task_ids in self.done.items():
+            messages.success(request, f"{summary}: {_names(task_ids)}.")
+        for level, text in self.problems:
+            messages.add_message(request, level, text)
+
+
+class RunAdmin(admin.ModelAdmin):
+    """Runs, newest first; a run's page shows its steps, waits and signals."""
+
+    list_display = ("task_id", "task_name", "status", "waits", "attempts", "created_at",
+                    "finished_at")
+    list_filter = ("status", "task_name")
+    # The whole task id: an exact match on the primary key, fast on any number of runs.
+    search_fields = ("task_id",)
+    search_help_text = "Search by the whole task id."
+    ordering = ("-created_at", "-task_id")
+    list_per_page = 50
+    # The admin would otherwise count every run on each page as well as the matching ones.
+    show_full_result_count = False
+    actions = ("approve_runs", "reject_runs", "cancel_runs", "retry_runs")
+    change_form_template = "admin/duraflow/run/change_form.html"
+    fieldsets = (
+        (None, {"fields": ("task_id", "task_name", "status", "waits", "attempts", "retries",
+                           "recoveries", "created_at", "updated_at", "finished_at")}),
+        ("Arguments, result and error", {"fields": ("shown_args", "shown_result", "error")}),
+        ("Lease and delivery", {"classes": ("collapse",), "fields": (
+            "parent_id", "replaced_by", "unwinding", "interrupted", "lease_owner",
+            "lease_expires_at", "exchange", "routing_key", "code_fingerprint",
+            "args_fingerprint", "serializer")}),
+    )
+    readonly_fields = ("task_id", "task_name", "status", "waits", "attempts", "retries",
+                       "recoveries", "created_at", "updated_at", "finished_at", "shown_args",
+                       "shown_result", "error", "parent_id", "replaced_by", "unwinding",
+                       "interrupted", "lease_owner", "lease_expires_at", "exchange",
+                       "routing_key", "code_fingerprint", "args_fingerprint", "serializer")
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def get_queryset(self, request: Any) -> Any:
+        # A pruned run's tombstone is not a run to list or show (as in the CLI and web view).
+        return (super().get_queryset(request).using(conf.store_alias())
+                .filter(pruned_at__isnull=True))
+
+    def get_search_results(self, request: Any, queryset: Any,
+                           search_term: str) -> tuple[Any, bool]:
+        term = search_term.strip()
+        if not term:
+            return queryset, False
+        return queryset.filter(task_id=term), False
+
+    @admin.display(description="waits for")
+    def waits(self, run: Run) -> str:
+        return run_note(run)
+
+    @admin.display(description="arguments")
+    def shown_args(self, run: Run) -> str:
+        if run.args is None:
+            return "(not recorded)"
+        return _shown(run.args, None, task_id=run.task_id, what="arguments")
+
+    @admin.display(description="result")
+    def shown_result(self, run: Run) -> str:
+        if run.result is None:
+            return "-"
+        return _shown(run.result, run.serializer, task_id=run.task_id, what="result")
+
+    # -- nothing is written through the admin -----------------------------------------------
+
+    def has_add_permission(self, request: Any) -> bool:
+        return False
+
+    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
+        return False
+
+    # -- what an operator may do to a run ---------------------------------------------------
+
+    def _may(self, request: Any, codename: str) -> bool:
+        return bool(request.user.has_perm(f"{self.opts.app_label}.{codename}"))
+
+    def has_approve_permission(self, request: Any) -> bool:
+        return self._may(request, "approve_run")
+
+    def has_cancel_permission(self, request: Any) -> bool:
+        return self._may(request, "cancel_run")
+
+    def has_retry_permission(self, request: Any) -> bool:
+        return self._may(request, "retry_run")
+
+    @admin.action(permissions=("approve",),
+                  description="Approve the selected runs (signal payload approved: true)")
+    def approve_runs(self, request: Any, queryset: Iterable[Run]) -> None:
+        self._decide(request, queryset, approved=True)
+
+    @admin.action(permissions=("approve",),
+                  description="Reject the selected runs (signal payload approved: false)")
+    def reject_runs(self, request: Any, queryset: Iterable[Run]) -> None:
+        self._decide(request, queryset, approved=False)
+
+    @admin.action(permissions=("cancel",), description="Cancel the selected runs")
+    def cancel_runs(self, request: Any, queryset: Iterable[Run]) -> None:
+        self._cancel(request, queryset)
+
+    @admin.action(permissions=("retry",), description="Retry the selected runs")
+    def retry_runs(self, request: Any, queryset: Iterable[Run]) -> None:
+        self._retry(request, queryset)
+
+    def _decide(self, request: Any, runs: Iterable[Run], *, approved: bool,
+                expected: str | None = None) -> None:
+        verb = "Approved" if approved else "Rejected"
+        payload = {"approved": approved}
+        outcome = _Outcome()
+        for run in runs:
+            waited = run.waiting_for if run.status == WAITING and run.wait_kind == "signal" \
+                else None
+            if waited is None or (expected is not None and waited != expected):
+                what = f"signal {expected!r}" if expected is not None else "a signal"
+                now = run_note(run) or run.status
+                outcome.refuse(f"Run {run.task_id} was not {verb.lower()}: it does not wait "
+                               f"for {what} ({now}).")
+                continue
+            stored = self._operate(outcome, run, verb, partial(
+                send_signal, run.task_id, waited, payload, app=celery_app()))
+            if stored is None:
+                continue
+            if not stored:
+                outcome.refuse(f"Run {run.task_id}: signal {waited!r} had already been sent, "
+                               "so this one was ignored (a run gets the first payload sent "
+                               "under a name).", messages.WARNING)
+                continue
+            message = f"{verb}: signal {waited!r} sent with payload {json_text(payload)}"
+            self.log_change(request, run, message)
+            outcome.ok(f"{verb} (signal payload {json_text(payload)})", run.task_id)
+        outcome.tell(request)
+
+    def _cancel(self, request: Any, runs: Iterable[Run]) -> None:
+        outcome = _Outcome()
+        for run in runs:
+            requested = self._operate(outcome, run, "Cancel",
+                                      partial(cancel, run.task_id, app=celery_app()))
+            if requested is None:
+                continue
+            if not requested:
+                outcome.refuse(f"Run {run.task_id} had already ended: nothing to cancel.",
+                               messages.WARNING)
+                continue
+            self.log_change(request, run, "Cancellation requested")
+            outcome.ok("Cancellation requested (each stops at its next step, at once if it "
+                       "sleeps or waits; its completed steps are compensated)", run.task_id)
+        outcome.tell(request)
+
+    def _retry(self, request: Any, runs: Iterable[Run], from_step: str | None = None) -> None:
+        outcome = _Outcome()
+        start = f"from step {from_step!r}" if from_step else "replaying their recorded steps"
+        for run in runs:
+            sent = self._operate(outcome, run, "Retry", partial(
+                retry_run, run.task_id, from_step=from_step, app=celery_app()))
+            if sent is None:
+                continue
+            self.log_change(request, run, f"Sent again, {start}")
+            outcome.ok(f"Sent again under the same task id, {start}", run.task_id)
+        outcome.tell(request)
+
+    @staticmethod
+    def _operate(outcome: _Outcome, run: Run, what: str,
+                 operation: Callable[[], Any]) -> Any:
+        """Run one operation; None (and a message) when it refused or failed."""
+        try:
+            return operation()
+        except DuraflowError as exc:
+            outcome.refuse(f"{what} of run {run.task_id} refused: {exc}")
+        except Exception as exc:
+            # A broker or database outage while sending: say so on the page, log the rest.
+            logger.exception("%s of run %s failed", what, run.task_id)
+            outcome.refuse(f"{what} of run {run.task_id} failed ({type(exc).__name__}: {exc}); "
+                           "see the server log.")
+        return None
+
+    # -- the run's page ---------------------------------------------------------------------
+
+    def get_urls(self) -> list[Any]:
+        def wrap(view: Callable[..., Any]) -> Callable[..., Any]:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                return self.admin_site.admin_view(view)(*args, **kwargs)
+
+            wrapper.model_admin = self  # type: ignore[attr-defined]
+            return update_wrapper(wrapper, view)
+
+        prefix = f"{self.opts.app_label}_{self.opts.model_name}"
+        own = [path(f"<path:object_id>/{action}/", wrap(self.run_action_view),
+                    {"action": action}, name=f"{prefix}_{action}")
+               for action in RUN_ACTIONS]
+        return [*own, *super().get_urls()]
+
+    def run_action_view(self, request: Any, object_id: str, action: str) -> Any:
+        """The buttons of a run's page: one action on this run, then back to its page."""
+        if request.method != "POST":
+            return HttpResponseNotAllowed(["POST"])
+        allowed = {"approve": self.has_approve_permission, "reject": self.has_approve_permission,
+                   "cancel": self.has_cancel_permission, "retry": self.has_retry_permission}
+        if not allowed[action](request):
+            raise PermissionDenied
+        run = self.get_object(request, unquote(object_id))
+        if run is None:
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        if action in ("approve", "reject"):
+            self._decide(request, [run], approved=action == "approve",
+                         expected=request.POST.get("signal") or None)
+        elif action == "cancel":
+            self._cancel(request, [run])
+        else:
+            self._retry(request, [run], from_step=request.POST.get("from_step") or None)
+        return HttpResponseRedirect(self._url("change", run.task_id))
+
+    def change_view(self, request: Any, object_id: str, form_url: str = "",
+                    extra_context: dict[str, Any] | None = None) -> Any:
+        context = dict(extra_context or {})
+        run = self.get_object(request, unquote(object_id))
+        if run is not None and self.has_view_permission(request, run):
+            context.update(self._run_context(request, run))
+        return super().change_view(request, object_id, form_url, extra_context=context)
+
+    def _run_context(self, request: Any, run: Run) -> dict[str, Any]:
+        alias = conf.store_alias()
+        steps = list(Step.objects.using(alias).filter(run_id=run.task_id))
+        signals = list(Signal.objects.using(alias).filter(run_id=run.task_id))
+        children = list(Run.objects.using(alias).filter(parent_id=run.task_id,
+                                                        pruned_at__isnull=True)
+                        .order_by("created_at", "task_id")
+                        .only("task_id", "task_name", "status", "created_at"))
+        def link(task_id: str) -> str:
+            return self._url("change", task_id)
+
+        rows = [{
+            "key": s.step_key,
+            "status": s.status,
+            "attempts": s.attempts,
+            "started_at": s.started_at,
+            "completed_at": s.completed_at,
+            "duration": span(step_duration(s)),
+            "output": (_shown(s.output, s.serializer, task_id=run.task_id, step_key=s.step_key,
+                              limit=PREVIEW) if s.output is not None else ""),
+            "error": clip(s.error or "", PREVIEW),
+            "exit": s.body_exit or "",
+            "in_doubt": s.status == STEP_RUNNING,
+            "compensation": s.step_key.startswith(COMPENSATION_PREFIX),
+        } for s in steps]
+        waiting_signal = (run.waiting_for if run.status == WAITING and run.wait_kind == "signal"
+                          else None)
+        return {
+            "steps": rows,
+            "wait_steps": [row for row in rows if row["status"] == STEP_WAITING],
+            "waits_for": waits_for(run.wait_kind, run.waiting_for, run.wake_at),
+            "signals": [{
+                "name": sig.name,
+                "sent_at": sig.sent_at,
+                "payload": _shown(sig.payload, sig.serializer, task_id=run.task_id,
+                                  step_key=sig.name, what="signal payload"),
+            } for sig in signals],
+            "children": [{"run": child, "url": link(child.task_id)} for child in children],
+            "parent_url": link(run.parent_id) if run.parent_id else None,
+            "waiting_signal": waiting_signal,
+            "retry_steps": [row["key"] for row in rows if not row["compensation"]],
+            "can_approve": waiting_signal is not None and self.has_approve_permission(request),
+            # Offered where they can apply; the operations still decide.
+            "can_cancel": run.status not in FINISHED and self.has_cancel_permission(request),
+            "can_retry": run.status in FINISHED and self.has_retry_permission(request),
+            "action_urls": {action: self._url(action, run.task_id) for action in RUN_ACTIONS},
+        }
+
+    def _url(self, view: str, task_id: str) -> str:
+        """The address of one of this admin's views of run ``task_id``."""
+        return str(reverse(f"admin:{self.opts.app_label}_{self.opts.model_name}_{view}",
+                           args=(quote(task_id),), current_app=self.admin_site.name))
+
+
+def _shown(data: str, stored_with: str | None, *, task_id: str, step_key: str | None = None,
+           what: str | None = None, limit: int = MAX_SHOWN) -> str:
+    """A stored value as JSON text, decoded as the library decodes it (the serializers the
+    Celery app's configuration accepts, nothing else), or why it cannot be read."""
+    _app, config = app_and_config(celery_app())
+    try:
+        value = decode(data, stored_with, config.serializer, accept=config.accept_serializers,
+                       task_id=task_id, step_key=step_key, what=what, placeholder=True)
+    except DuraflowError as exc:
+        return f"(unreadable: {exc})"
+    if isinstance(value, Unreadable):
+        return str(value)
+    return clip(json_text(value, 2 if limit == MAX_SHOWN else None), limit)
+
+
+admin.site.register(Run, RunAdmin)
