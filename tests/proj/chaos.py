@@ -21,7 +21,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import Column, DateTime, MetaData, String, Table
+from sqlalchemy import Column, DateTime, Integer, MetaData, String, Table
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import OperationalError
 
@@ -39,6 +39,15 @@ CHARGES = Table(
     Column("idempotency_key", String(64), primary_key=True),
     Column("task_id", String(255), nullable=False),
     Column("charged_at", DateTime(timezone=True), nullable=False),
+)
+# Rows the atomic chaos task writes inside its steps. No unique key: a row written twice
+# for one (task, step) would be visible as two rows.
+LEDGER = Table(
+    f"{TABLE_PREFIX}chaos_ledger",
+    METADATA,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("task_id", String(255), nullable=False),
+    Column("step", String(50), nullable=False),
 )
 MAIL_FAILURES = Table(
     f"{TABLE_PREFIX}chaos_mail_failures",
@@ -100,6 +109,33 @@ def chaos_trip(self: Any, n: int, fail_notify: bool = True) -> str:
                     _charge(task_id, s.idempotency_key)
                 if name == "notify" and fail_notify and _mail_fails_first(task_id):
                     raise MailerUnavailable(f"mailer down for {task_id}")
+                s.result = f"{name}-{n}"
+                outcome = "ok"
+            finally:
+                log_event("end", task_id, name, outcome)
+    return str(s.result)
+
+
+@app.task(base=DurableTask, bind=True, name="proj.chaos_ledger",
+          autoretry_for=(StoreUnavailable, OperationalError),
+          max_retries=50, retry_backoff=False, default_retry_delay=0.2)
+def chaos_ledger(self: Any, n: int) -> str:
+    """Four atomic steps, each writing its ledger row on the step's own transaction.
+
+    The body sleeps after its write: a process killed there has written the row
+    but not recorded the step, the window in which a step that is not atomic
+    would run again and write a second row.
+    """
+    task_id = self.request.id
+    log_event("deliver", task_id, self.request.retries,
+              int(bool((self.request.delivery_info or {}).get("redelivered"))))
+    for name in ("debit", "credit", "fee", "receipt"):
+        with step(name, atomic=True) as s:
+            log_event("start", task_id, name, int(s.in_doubt))
+            outcome = "error"
+            try:
+                s.connection.execute(LEDGER.insert().values(task_id=task_id, step=name))
+                time.sleep(random.uniform(0.02, 0.1))
                 s.result = f"{name}-{n}"
                 outcome = "ok"
             finally:
