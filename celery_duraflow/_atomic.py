@@ -36,7 +36,8 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import event
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Connection as Connection  # the type of StepContext.connection
+from sqlalchemy.engine import Engine
 
 from .errors import AtomicStepError
 

@@ -46,7 +46,7 @@ from .errors import (
 from .signals import step_failed, step_replayed, step_started, step_succeeded
 
 if TYPE_CHECKING:
-    from sqlalchemy.engine import Connection
+    from ._atomic import Connection
 
 logger = logging.getLogger("celery_duraflow.step")
 
