@@ -337,12 +337,14 @@ class Database:
                 if version < LATEST_VERSION:
                     migrate(self._transactional(), self.tables, self.config.table_prefix)
             elif version < LATEST_VERSION:
+                alias = getattr(self.config, "django_alias", None)
+                how = (f"python manage.py migrate --database {alias}" if alias is not None
+                       else "celery -A proj duraflow migrate")
                 raise StoreMisconfigured(
                     f"the celery-duraflow schema with prefix {self.config.table_prefix!r} in "
                     f"{self._shown_url} is at version {version}, this release needs "
                     f"{LATEST_VERSION}, and duraflow_auto_migrate is off: apply the migrations "
-                    "first (celery -A proj duraflow migrate).", task_id=task_id,
-                    step_key=step_key)
+                    f"first ({how}).", task_id=task_id, step_key=step_key)
         self._schema_ready = True
 
     def migrate(self) -> list[int]:

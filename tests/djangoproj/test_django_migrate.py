@@ -246,3 +246,24 @@ def test_every_schema_version_has_a_django_migration() -> None:
     graph = loader.graph
     for earlier, later in itertools.pairwise(ordered):
         assert (APP_LABEL, earlier) in graph.forwards_plan((APP_LABEL, later))
+
+
+@pytest.mark.parametrize("store", ALIASES, indirect=True)
+def test_unmigrated_alias_says_manage_py_migrate(store: Any) -> None:
+    """Before `manage.py migrate`, a durable task refuses to run and names that command."""
+    app = Celery(f"unmigrated-{store.django_alias}", set_as_current=False)
+    app.config_from_object("django.conf:settings", namespace="CELERY")
+    ran: list[int] = []
+
+    @app.task(base=DurableTask, name="migrate.unmigrated", shared=False)
+    def add(x: int, y: int) -> int:
+        with step("add") as s:
+            ran.append(1)
+            s.result = x + y
+        result: int = s.result
+        return result
+
+    result = add.apply(args=(2, 3))
+    assert ran == []
+    assert type(result.result).__name__ == "StoreMisconfigured"
+    assert f"python manage.py migrate --database {store.django_alias}" in str(result.result)
