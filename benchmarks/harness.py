@@ -30,6 +30,10 @@ Benchmarks (``--only`` takes a comma-separated list of these names):
 ``memory``
     The RSS of a prefork worker process before and after 10,000 durable runs (and, as a
     baseline, 10,000 plain tasks in the same process first).
+``atomic``
+    An atomic step whose body writes one row in the step's transaction against a plain
+    step whose body writes the same row on its own autocommit connection, per step and
+    as a ratio, on PostgreSQL and on SQLite (:mod:`benchmarks.atomic`).
 
 ``--profile`` adds the per-attempt profile of :func:`benchmarks.profile.attempt_profile`
 (Celery's apply, each Store call, the rest of the library).
@@ -97,7 +101,7 @@ from .common import (
 )
 from .workload import HandWritten
 
-BENCHMARKS = ("fresh", "replay", "sqlite", "wal", "dbos", "e2e", "memory")
+BENCHMARKS = ("fresh", "replay", "sqlite", "wal", "dbos", "e2e", "memory", "atomic")
 # The floor INSERT is timed in bursts of this many back to back (its best case).
 FLOOR_BURST = 20
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -142,6 +146,10 @@ class Sizes:
     # --profile: attempts per N (untraced, and traced for the waits on the server)
     profile_runs: dict[int, int]
     profile_traced: dict[int, int]
+    # atomic: rounds, runs of each variant per round, steps per task
+    atomic_rounds: int = 5
+    atomic_runs: int = 20
+    atomic_steps: int = 10
 
 
 FULL = Sizes(
@@ -167,6 +175,7 @@ QUICK = Sizes(
     e2e_tasks=20, e2e_steps=10, e2e_rounds=1, e2e_warmup=4,
     memory_runs=50, memory_steps=10, memory_warmup=10, memory_samples=2,
     profile_runs={0: 5, 10: 3}, profile_traced={0: 3, 10: 2},
+    atomic_rounds=1, atomic_runs=2, atomic_steps=3,
 )
 
 
@@ -1085,6 +1094,16 @@ class Harness:
         extra = {"fresh": ["empty", "empty_cpu", "statements"], "replay": ["replay_cpu"],
                  "sqlite": ["sqlite_tx"], "e2e": ["e2e_redis", "e2e_rabbitmq"]}
         return [k for k in [name, *extra.get(name, [])] if k in self.targets]
+
+    def bench_atomic(self) -> None:
+        from .atomic import bench_atomic
+
+        s = self.sizes
+        lines, data = bench_atomic(self.database_url, self.prefix, steps=s.atomic_steps,
+                                   rounds=s.atomic_rounds, runs=s.atomic_runs,
+                                   warmup=s.warmup)
+        self.section("Atomic steps against plain ones", lines)
+        self.results["atomic"] = data
 
     def bench_profile(self) -> None:
         from .profile import attempt_profile
