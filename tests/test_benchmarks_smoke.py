@@ -23,6 +23,7 @@ SECTIONS = (
     "### Redis",
     "### RabbitMQ",
     "## Memory",
+    "## Atomic steps against plain ones",
     "## Per-attempt profile",
     "## Targets",
 )
