@@ -135,8 +135,14 @@ class RunAdmin(admin.ModelAdmin):
 
     def get_queryset(self, request: Any) -> Any:
         # A pruned run's tombstone is not a run to list or show (as in the CLI and web view).
-        return (super().get_queryset(request).using(conf.store_alias())
-                .filter(pruned_at__isnull=True))
+        queryset = (super().get_queryset(request).using(conf.store_alias())
+                    .filter(pruned_at__isnull=True))
+        match = getattr(request, "resolver_match", None)
+        if match is not None and match.url_name == (
+                f"{self.opts.app_label}_{self.opts.model_name}_changelist"):
+            # The list shows none of a run's stored values, which may be large.
+            queryset = queryset.defer("args", "result", "error")
+        return queryset
 
     def get_search_results(self, request: Any, queryset: Any,
                            search_term: str) -> tuple[Any, bool]:

@@ -37,8 +37,31 @@ STEP_STATUS_CHOICES = tuple((status, status) for status in get_args(StepStatus))
 WAIT_KIND_CHOICES = tuple((kind, kind) for kind in get_args(WaitKind))
 
 
+_REFUSAL = ("rows of celery-duraflow's tables are written by the library only: use "
+            "send_signal, cancel or retry_run to change a run, `celery duraflow prune` to "
+            "delete old ones.")
+
+
+class ReadOnlyQuerySet(models.QuerySet):
+    """A queryset of rows the library owns: bulk writes through Django are refused."""
+
+    def update(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.model.__name__}: {_REFUSAL}")
+
+    def delete(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.model.__name__}: {_REFUSAL}")
+
+    def bulk_create(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.model.__name__}: {_REFUSAL}")
+
+    def bulk_update(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError(f"{self.model.__name__}: {_REFUSAL}")
+
+
 class ReadOnlyModel(models.Model):
     """A row the library owns: saving or deleting it through Django is refused."""
+
+    objects = ReadOnlyQuerySet.as_manager()
 
     class Meta:
         abstract = True
