@@ -23,6 +23,7 @@ from django.contrib.admin.models import LogEntry
 from django.contrib.admin.utils import quote
 from django.contrib.admin.utils import unquote as admin_unquote
 from django.contrib.auth.models import Permission, User
+from django.core.exceptions import ImproperlyConfigured
 from django.core.management import call_command
 from django.db import connections
 from django.test import Client
@@ -33,6 +34,7 @@ from celery_duraflow import DurableTask, child, get_run, send_signal, step, wait
 from celery_duraflow._config import config_for_app
 from celery_duraflow._store import Store, close_all_stores, store_for
 from celery_duraflow.contrib.django import conf
+from celery_duraflow.contrib.django.admin import celery_app
 from celery_duraflow.contrib.django.models import Run, Signal, Step
 from tests.conftest import app_factory, run_worker, wait_for_status
 
@@ -289,11 +291,13 @@ def test_run_page_shows_steps_waits_and_signals(app: Celery) -> None:
     # No button without a permission to act.
     assert "duraflow-actions" not in html
 
-    assert send_signal(waiting, "approval", {"approved": True, "by": "ops"}, app=app)
+    assert send_signal(waiting, "approval", {"approved": True, "by": "<b>ops</b>"}, app=app)
     html = client.get(run_url(waiting)).content.decode()
     signals = section(html, "duraflow-signals")
     assert "Signals (1)" in signals and "approval" in signals
-    assert '"approved": true' in signals and '"by": "ops"' in signals
+    assert '"approved": true' in signals and '"by": "<b>ops</b>"' in signals
+    # Stored values are text on the page, never markup.
+    assert "<b>ops</b>" not in html and "&lt;b&gt;ops&lt;/b&gt;" in html
 
     failed = client.get(run_url(bad)).content.decode()
     steps = section(failed, "duraflow-steps")
@@ -535,15 +539,39 @@ def test_nothing_can_be_added_changed_or_deleted(app: Celery) -> None:
         run.save(using="default")
     with pytest.raises(TypeError, match="deleted by `celery duraflow prune` only"):
         run.delete(using="default")
+    runs = Run.objects.using("default").filter(task_id=done)
+    for write in (lambda: runs.update(status="failed"), runs.delete,
+                  lambda: Step.objects.using("default").filter(run_id=done).delete()):
+        with pytest.raises(TypeError, match="written by the library only"):
+            write()
+    assert Run.objects.using("default").get(task_id=done).status == "succeeded"
     # No add, change or delete permission exists to be granted.
     codenames = set(Permission.objects.filter(content_type__app_label="duraflow")
                     .values_list("codename", flat=True))
     assert codenames == {"view_run", "approve_run", "cancel_run", "retry_run"}
 
 
+def test_the_celery_app_is_the_setting_or_celerys_current_app(settings: Any) -> None:
+    """DURAFLOW_CELERY_APP names the actions' Celery app (object or dotted path); else None."""
+    from tests.djangoproj.celery_app import app as project_app
+
+    settings.DURAFLOW_CELERY_APP = None
+    assert celery_app() is None  # the library then takes celery.current_app
+    for name in ("tests.djangoproj.celery_app.app", "tests.djangoproj.celery_app:app"):
+        settings.DURAFLOW_CELERY_APP = name
+        assert celery_app() is project_app
+    settings.DURAFLOW_CELERY_APP = project_app
+    assert celery_app() is project_app
+    settings.DURAFLOW_CELERY_APP = "tests.djangoproj.no_such_module.app"
+    with pytest.raises(ImproperlyConfigured, match="DURAFLOW_CELERY_APP"):
+        celery_app()
+
+
 def test_makemigrations_has_nothing_to_write_for_the_run_models() -> None:
     """The unmanaged run models are in the app's migrations: makemigrations --check is clean."""
     call_command("makemigrations", "duraflow", "--check", "--dry-run", verbosity=0)
+    # The admin's configuration passes Django's system checks too.
+    call_command("check", "duraflow", fail_level="WARNING", verbosity=0)
     for model in (Run, Step, Signal):
         assert model._meta.managed is False
         assert model._meta.db_table.startswith(conf.table_prefix())
