@@ -132,7 +132,8 @@ class StepContext:
             this step of this run. Pass it to payment and booking APIs.
         position: where the step was reached among its parent's steps (the
             run's top-level steps, or the steps nested in one step): 1 for the first.
-        atomic: True for a step declared with ``atomic=True``; see :attr:`connection`.
+        atomic: True for a step declared with ``atomic=True`` (its body writes on
+            ``s.connection``).
     """
 
     __slots__ = (
