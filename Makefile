@@ -71,3 +71,12 @@ $(DOCS_STAMP): $(STAMP)
 
 docs: $(DOCS_STAMP)
 	$(BIN)/sphinx-build -W --keep-going -b html $(SPHINXOPTS) docs docs/_build/html
+
+# make django-demo: the Django example (examples/django/README.md): migrate, one order,
+# one retry, on SQLite with a worker thread. DJANGO_DEMO_ARGS="--database-url
+# postgresql://... --broker-url redis://..." runs it on PostgreSQL and Redis instead, with a
+# `celery worker` process.
+.PHONY: django-demo
+
+django-demo: venv
+	$(BIN)/python -m examples.django $(DJANGO_DEMO_ARGS)

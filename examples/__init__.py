@@ -1,0 +1,1 @@
+"""Examples of celery-duraflow in other frameworks' projects (``python -m examples.django``)."""
