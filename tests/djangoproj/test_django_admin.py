@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
+from celery import _state as celery_state
 from django.contrib import admin
 from django.contrib.admin.models import LogEntry
 from django.contrib.admin.utils import quote
@@ -136,7 +137,7 @@ def app(settings: Any) -> Iterator[Celery]:
 
 
 @pytest.fixture
-def listing_app(alias: str, settings: Any) -> Iterator[Celery]:
+def each_app(alias: str, settings: Any) -> Iterator[Celery]:
     """:func:`app_on` each database in turn."""
     yield from app_on(alias, settings)
 
@@ -150,8 +151,15 @@ def worker(app: Celery) -> Iterator[Any]:
     left open on the test database, which pytest-django drops at the end.
     """
     close_all_stores()
-    with run_worker(app) as started:
-        yield started
+    # Celery's test worker makes its app the current and the default one: put back the
+    # project's, which later tests send their shared tasks with.
+    default, current = celery_state.default_app, celery_state._tls.current_app
+    try:
+        with run_worker(app) as started:
+            yield started
+    finally:
+        celery_state.set_default_app(default)
+        celery_state._set_current_app(current)
 
 
 def superuser_client(**options: Any) -> Client:
@@ -209,10 +217,10 @@ def messages_of(html: str) -> str:
 # -- the list of runs -------------------------------------------------------------------------
 
 
-def test_list_is_newest_first_filters_searches_and_pages(listing_app: Celery, alias: str,
+def test_list_is_newest_first_filters_searches_and_pages(each_app: Celery, alias: str,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The run list, read from the store's alias, is newest first, filters, searches, pages."""
-    tasks = define_tasks(listing_app)
+    tasks = define_tasks(each_app)
     ok = [tasks.book.apply(args=(n,)).id for n in range(3)]
     bad = tasks.broken.apply(args=("card declined",)).id
     waiting = tasks.approval.apply(args=(5,)).id
@@ -269,8 +277,9 @@ def test_a_user_without_the_view_permission_sees_no_runs(app: Celery) -> None:
 # -- one run ----------------------------------------------------------------------------------
 
 
-def test_run_page_shows_steps_waits_and_signals(app: Celery) -> None:
+def test_run_page_shows_steps_waits_and_signals(each_app: Celery) -> None:
     """A run's page shows its fields, what it waits for, its steps and its signals."""
+    app = each_app
     tasks = define_tasks(app)
     waiting = tasks.approval.apply(args=(7,)).id
     bad = tasks.broken.apply(args=("card declined",)).id
