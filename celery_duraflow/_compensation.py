@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import time
-from datetime import UTC, datetime
 from typing import Any
 
+from . import _clock
 from ._context import RunContext
 from ._store import (
     CANCELLED,
@@ -98,7 +98,7 @@ def _compensate(ctx: RunContext, key: str, undo: Any, value: Any) -> str | None:
         return None
     new = record is None
     for attempt in range(1, UNDO_ATTEMPTS + 1):
-        started = datetime.now(UTC)
+        started = _clock.now()
         try:
             outcome = undo(value)
         except Exception as exc:

@@ -21,8 +21,7 @@ nothing for the runs that recorded it.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
+from . import _clock
 from ._context import current_run
 from ._step import check_name
 from ._store import STEP_COMPLETED
@@ -59,6 +58,6 @@ def patched(name: str) -> bool:
     ctx.take_key(parent, marker, count)
     if record is None:
         ctx.record(key, f"patched({name!r})", status=STEP_COMPLETED,
-                   started_at=datetime.now(UTC), output=ctx.serializer.dumps(True),
+                   started_at=_clock.now(), output=ctx.serializer.dumps(True),
                    serializer=ctx.serializer_name, new=True, position=None)
     return True

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, Literal, TypeVar, get_args
 
+from . import _clock
+
 RunStatus = Literal["running", "sleeping", "waiting", "succeeded", "failed", "compensated",
                     "cancelled", "ignored", "rejected", "replaced"]
 StepStatus = Literal["running", "completed", "failed", "waiting"]
@@ -213,4 +215,4 @@ _FIELDS: dict[str, tuple[str, ...]] = {
 
 
 def utc_now() -> datetime:
-    return datetime.now(UTC)
+    return _clock.now()

@@ -42,8 +42,23 @@ def recorded_arguments(run: RunRecord, config: Config) -> tuple[list[Any], dict[
 
 
 def send_run(app: Any, run: RunRecord) -> None:
-    """Publish a run's task again, with its task id, arguments, retry count and routing."""
+    """Publish a run's task again, with its task id, arguments, retry count and routing.
+
+    In an eager app (``task_always_eager``, as in tests) there is no broker to publish
+    to: ``send_task`` would still send a real message (Celery only warns), which any
+    worker listening on the broker could take. The run is applied in this process
+    instead, as a worker would run it, and nothing is published.
+    """
     args, kwargs = recorded_arguments(run, config_for_app(app))
+    if app.conf.task_always_eager:
+        task = app.tasks.get(run.task_name)
+        if task is None:
+            raise ValueError(f"task {run.task_id} is a run of {run.task_name}, which this "
+                             "app does not register, so it cannot be run in this process")
+        logger.debug("eager app: running task %s (%s) in this process", run.task_id,
+                     run.task_name)
+        task.apply(args=args, kwargs=kwargs, task_id=run.task_id, retries=run.retries)
+        return
     app.send_task(run.task_name, args=args, kwargs=kwargs, task_id=run.task_id,
                   retries=run.retries, **_route(run))
 

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
+from . import _clock
 from ._atomic import AtomicTransaction
 from ._context import RunContext, Suspended, Unwind, current_run, describe
 from ._fingerprint import code_fingerprint
@@ -347,7 +348,7 @@ class StepContext:
                     return
                 self._claimed = True
                 self.attempt = claim.attempts
-            self._started_at = datetime.now(UTC)
+            self._started_at = _clock.now()
             self._running = True
             if self.in_doubt:
                 logger.warning(
@@ -486,7 +487,7 @@ class StepContext:
         if step_succeeded.receivers:
             step_succeeded.send(
                 sender=ctx.task, task_id=ctx.task_id, step_key=self.key, attempt=self.attempt,
-                duration=(datetime.now(UTC) - self._started_at).total_seconds())
+                duration=(_clock.now() - self._started_at).total_seconds())
 
     def _end_atomic(self, tx: AtomicTransaction, exc: BaseException | None) -> None:
         """End an atomic step: commit its body's writes with its record, or neither."""

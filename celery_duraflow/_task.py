@@ -18,6 +18,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.result import ResultBase
 from kombu.utils.imports import symbol_by_name
 
+from . import _clock
 from ._canvas import install_canvas_fixes
 from ._compensation import unwind
 from ._config import Config, config_for_app
@@ -714,7 +715,7 @@ def _seconds_until(when: Any) -> float:
     """A retry's countdown (seconds) or eta (datetime), as seconds from now."""
     if isinstance(when, datetime):
         moment = when if when.tzinfo else when.replace(tzinfo=UTC)
-        return max(0.0, (moment - datetime.now(UTC)).total_seconds())
+        return max(0.0, (moment - _clock.now()).total_seconds())
     try:
         return max(0.0, float(when or 0))
     except (TypeError, ValueError):

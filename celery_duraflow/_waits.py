@@ -24,7 +24,7 @@ from typing import Any
 
 from celery import shared_task
 
-from . import _atomic
+from . import _atomic, _clock
 from ._config import Config, app_and_config
 from ._context import RunContext, Suspended, current_run, describe
 from ._limits import check_signal_name, check_task_id, moment
@@ -98,7 +98,7 @@ class _Wait:
         self.key, self.position = ctx.next_key(name)
         ctx.check_order(self.key, self.position, kind)
         self.record: StepRecord | None = ctx.recorded.get(self.key)
-        self.now = datetime.now(UTC)
+        self.now = _clock.now()
         assert ctx.config is not None
         self.config: Config = ctx.config
 
@@ -165,7 +165,7 @@ class _Wait:
         countdown: float | None = None
         sweep_at = wake_at
         if wake_at is not None:
-            remaining = max(0.0, (wake_at - datetime.now(UTC)).total_seconds())
+            remaining = max(0.0, (wake_at - _clock.now()).total_seconds())
             task = ctx.task
             eager = bool(task is not None and task.request.is_eager)
             if remaining < self.config.eta_threshold and not eager:
@@ -225,7 +225,7 @@ def sleep(name: str, seconds: float | timedelta | None = None, *,
     else:
         wake_at = wait.deadline(length)
         assert wake_at is not None
-    if datetime.now(UTC) >= wake_at:
+    if _clock.now() >= wake_at:
         wait.write(STEP_COMPLETED, {"until": wake_at})
         return
     if not wait.waiting:
@@ -261,7 +261,7 @@ def wait_for_signal(name: str, *, timeout: float | timedelta | None = None) -> A
             outcome = {"signal": wait.key, "payload": payload}
             wait.write(STEP_COMPLETED, outcome)
             return _signal_outcome(wait, wait.stored())
-        if deadline is not None and datetime.now(UTC) >= deadline:
+        if deadline is not None and _clock.now() >= deadline:
             outcome = {"signal": wait.key, "timed_out": True, "until": deadline}
             wait.write(STEP_COMPLETED, outcome)
             return _signal_outcome(wait, outcome)
@@ -313,7 +313,7 @@ def child(name: str, signature: Any, *, timeout: float | timedelta | None = None
     while True:
         if run is not None and run.status in FINISHED:
             return _child_outcome(wait, _finish_child(wait, child_id, run))
-        if deadline is not None and datetime.now(UTC) >= deadline:
+        if deadline is not None and _clock.now() >= deadline:
             outcome = {"child": child_id, "timed_out": True, "until": deadline}
             wait.write(STEP_COMPLETED, outcome)
             return _child_outcome(wait, outcome)

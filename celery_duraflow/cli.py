@@ -16,14 +16,14 @@ import json
 import shutil
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
 import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from kombu.exceptions import OperationalError as BrokerError
 
-from . import _admin
+from . import _admin, _clock
 from ._config import config_for_app
 from ._format import (
     clip,
@@ -361,7 +361,7 @@ def runs(ctx: click.Context, statuses: list[str], task_name: str | None,
         filtered = any(value for value in filters.values())
         ctx.obj.echo("no runs match these filters" if filtered else "no runs are recorded")
         return
-    now = datetime.now(UTC)
+    now = _clock.now()
     rows = [[s.run.task_id, s.run.task_name, s.run.status, str(s.run.attempts),
              f"{s.steps_completed}/{s.steps_total}", when(s.run.created_at),
              _age(s.run.updated_at, now), run_note(s.run, say_no_timeout=False)]
