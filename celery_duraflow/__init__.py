@@ -9,9 +9,11 @@
         ...
 """
 
+from ._history import export_history
 from ._operations import cancel, retry_run
 from ._patched import patched
 from ._recovery import recover, recovery_beat_entry
+from ._replay import ReplayResult, check_history, check_replay
 from ._rewrite import durable
 from ._step import StepContext, step
 from ._task import DurableTask
@@ -61,6 +63,7 @@ __all__ = [
     "LeaseLost",
     "NonDeterministicReplay",
     "NotInDurableTask",
+    "ReplayResult",
     "RunArgumentsMismatch",
     "RunArgumentsNotSerializable",
     "RunCancelled",
@@ -81,8 +84,11 @@ __all__ = [
     "UnsupportedCode",
     "__version__",
     "cancel",
+    "check_history",
+    "check_replay",
     "child",
     "durable",
+    "export_history",
     "get_run",
     "patched",
     "recover",

@@ -70,6 +70,11 @@ class RunContext:
     retry_sent: Any = None
     # Set by DurableTask.replace: the attempt ends with the run replaced.
     replaced: bool = False
+    # A replay check (celery_duraflow._replay): recorded steps are replayed, nothing is
+    # written, and the first thing a live attempt would do for real stops it (ReplayStop).
+    dry: bool = False
+    # What a replay check noticed on its way without stopping (a step whose code changed).
+    notes: list[str] = field(default_factory=list)
 
     def stop_if_unwinding(self, key: str) -> None:
         """At a step boundary: stop the run here if it is being cancelled or unwound."""
@@ -116,6 +121,13 @@ class RunContext:
         setting = "duraflow_on_code_change" if policy is not None else "duraflow_on_divergence"
         if policy is None:
             policy = self.config.on_divergence if self.config is not None else "fail"
+        if self.dry:
+            # A replay check reports every divergence a live attempt would fail on, and
+            # notes the code changes it would only warn about.
+            if policy == "warn" and setting == "duraflow_on_code_change":
+                self.notes.append(str(error))
+                return
+            raise error
         if policy == "warn":
             logger.warning("%s %s is 'warn', so the run goes on.", error, setting)
             return
@@ -166,6 +178,8 @@ class RunContext:
         :meth:`Store.record_step`. If the write did not apply, another attempt took
         the run over, and LeaseLost (naming ``what``) stops this one.
         """
+        if self.dry:
+            raise ReplayStop(key, what)
         if not self.store.record_step(self.task_id, key, self.owner, **fields):
             raise LeaseLost(
                 f"task {self.task_id} lost its lease at {what}: another attempt took the run "
@@ -188,6 +202,15 @@ class Suspended(BaseException):
         self.key = key
         self.status = status
         self.countdown = countdown
+
+
+class ReplayStop(BaseException):
+    """A replay check reached what a live attempt would run or record for real."""
+
+    def __init__(self, key: str, what: str) -> None:
+        super().__init__(f"a live attempt would carry on at {what}")
+        self.key = key
+        self.what = what
 
 
 class Unwind(BaseException):

@@ -56,7 +56,7 @@ def patched(name: str) -> bool:
         # here without the marker.
         return False
     ctx.take_key(parent, marker, count)
-    if record is None:
+    if record is None and not ctx.dry:  # a replay check writes nothing, and goes on
         ctx.record(key, f"patched({name!r})", status=STEP_COMPLETED,
                    started_at=_clock.now(), output=ctx.serializer.dumps(True),
                    serializer=ctx.serializer_name, new=True, position=None)

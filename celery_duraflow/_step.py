@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
 from . import _clock
 from ._atomic import AtomicTransaction
-from ._context import RunContext, Suspended, Unwind, current_run, describe
+from ._context import ReplayStop, RunContext, Suspended, Unwind, current_run, describe
 from ._fingerprint import code_fingerprint
 from ._lease import keeper
 from ._limits import shown
@@ -313,6 +313,8 @@ class StepContext:
             if self._compensate is not None:
                 ctx.compensations.append((self.key, self._compensate, self.result))
         else:
+            if ctx.dry:  # a replay check: a live attempt would run this body
+                raise ReplayStop(self.key, f"step {self.key!r}")
             # A step that has not completed: the boundary where a cancelled (or failed,
             # compensating) run stops.
             ctx.stop_if_unwinding(self.key)

@@ -26,7 +26,7 @@ from celery import shared_task
 
 from . import _atomic, _clock
 from ._config import Config, app_and_config
-from ._context import RunContext, Suspended, current_run, describe
+from ._context import ReplayStop, RunContext, Suspended, current_run, describe
 from ._limits import check_signal_name, check_task_id, moment
 from ._limits import seconds as checked_seconds
 from ._send import send_run
@@ -98,6 +98,9 @@ class _Wait:
         self.key, self.position = ctx.next_key(name)
         ctx.check_order(self.key, self.position, kind)
         self.record: StepRecord | None = ctx.recorded.get(self.key)
+        if ctx.dry and not self.done:
+            # A replay check: a live attempt would wait, or end the wait, here.
+            raise ReplayStop(self.key, f"{kind} {self.key!r}")
         self.now = _clock.now()
         assert ctx.config is not None
         self.config: Config = ctx.config

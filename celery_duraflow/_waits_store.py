@@ -107,6 +107,14 @@ class WaitStatements(Database):
             row = conn.execute(stmt).first()
         return from_columns(SignalRecord, row._mapping) if row is not None else None
 
+    def list_signals(self, task_id: str) -> list[SignalRecord]:
+        """Every signal stored for the run, oldest first."""
+        signals = self.tables.signals
+        stmt = (select(signals).where(signals.c.task_id == task_id)
+                .order_by(signals.c.sent_at, signals.c.name))
+        with self._read("reading the run's signals", task_id) as conn:
+            return [from_columns(SignalRecord, row._mapping) for row in conn.execute(stmt)]
+
     def create_child_run(self, child_id: str, *, task_name: str, parent_id: str,
                          args: str | None, exchange: str | None,
                          routing_key: str | None) -> bool:

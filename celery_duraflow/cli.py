@@ -23,7 +23,7 @@ import click
 from celery.bin.base import CeleryCommand, CeleryOption, handle_preload_options
 from kombu.exceptions import OperationalError as BrokerError
 
-from . import _admin, _clock
+from . import _admin, _clock, _history, _replay
 from ._config import config_for_app
 from ._format import (
     clip,
@@ -474,6 +474,94 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     headers = ["KEY", "STATUS", "TRIES", "DURATION", "STARTED", "COMPLETED", "OUTPUT"]
     for line in _table(headers, rows, shrink=(6, 0), drop=(5, 2, 4)):
         ctx.obj.echo(line)
+
+
+# -- histories and the replay check ------------------------------------------------------
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.argument("task_id")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def export(ctx: click.Context, task_id: str) -> None:
+    """Print run TASK_ID with its steps, waits and signals as a history file (JSON).
+
+    The format is versioned ("format": "celery-duraflow/run-history",
+    "version": 1); `replay --history FILE` and the pytest plugin read it, so a
+    recorded run can be replayed against new code without a database. Stored
+    values are kept as the store holds them: they may hold personal data.
+    Exit status 0; 1 when no run has that task id or the store cannot be read.
+    """
+    try:
+        text = _history.dumps(_history.history_of(_store(ctx), task_id))
+    except DuraflowError as exc:
+        _fail(str(exc))
+    click.echo(text, nl=False)
+
+
+def _replay_line(result: _replay.ReplayResult) -> str:
+    head = f"{result.task_id}  {result.task_name}  {result.run_status}  {result.verdict}"
+    if result.verdict == "divergent":
+        detail = (f"at position {result.position}: recorded {result.recorded_key!r}, "
+                  f"reached {result.reached_key!r}")
+    elif result.verdict == "compatible":
+        detail = (f"carries on at {result.stopped_at!r}" if result.stopped_at
+                  else "runs to its end")
+    else:
+        detail = result.message
+    return f"{head}  {detail}"
+
+
+@duraflow.command(cls=CeleryCommand)
+@click.argument("task_ids", nargs=-1, metavar="[TASK_ID]...")
+@click.option("--status", "statuses", multiple=True, callback=_run_statuses, metavar="STATUS",
+              cls=CeleryOption, help_group="Replay Options",
+              help="Without TASK_IDs, check the runs with this status (repeatable, or "
+                   "comma-separated; default: sleeping,waiting,running).")
+@click.option("--limit", type=click.IntRange(min=1), default=100, show_default=True,
+              cls=CeleryOption, help_group="Replay Options",
+              help="Without TASK_IDs, check at most this many runs (the newest).")
+@click.option("--history", "histories", multiple=True, metavar="FILE",
+              type=click.Path(dir_okay=False), cls=CeleryOption, help_group="Replay Options",
+              help="Check a run exported with `export` instead of the store's (repeatable).")
+@click.option("--json", "as_json", is_flag=True, cls=CeleryOption,
+              help_group="Output Options", help="Print one result per run as JSON.")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def replay(ctx: click.Context, task_ids: tuple[str, ...], statuses: list[str], limit: int,
+           histories: tuple[str, ...], as_json: bool) -> None:
+    """Check that the current code carries on runs in flight as they were recorded.
+
+    Re-executes each run's task, as deployed now, against the run's recorded
+    steps: recorded bodies are skipped, nothing is written and nothing is
+    sent, and each run stops where a live attempt would run or record
+    something for real. Prints, per run, compatible (and where it would carry
+    on) or the first divergence (position, recorded and reached step). Run it
+    in CI before a deploy. Exit status 0 when every run is compatible; 1 when
+    one diverges or cannot be replayed (its task is not registered, a history
+    file of another format), or a task id is unknown.
+    """
+    app = ctx.obj.app
+    try:
+        results = [_replay.check_history(path, app=app) for path in histories]
+        if task_ids or not histories:
+            results += _replay.check_replay(task_ids, app=app,
+                                            statuses=statuses or _replay.IN_FLIGHT,
+                                            limit=limit)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    if as_json:
+        _print_json(ctx, [dataclasses.asdict(result) for result in results])
+    else:
+        for result in results:
+            ctx.obj.echo(_replay_line(result))
+            for note in result.notes:
+                ctx.obj.echo(f"    note: {' '.join(note.split())}")
+        bad = sum(not result.compatible for result in results)
+        ctx.obj.echo(f"{len(results)} run(s) checked: {len(results) - bad} compatible, "
+                     f"{bad} not")
+    if any(not result.compatible for result in results):
+        sys.exit(1)
 
 
 # -- cancel and retry ----------------------------------------------------------------------
