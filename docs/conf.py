@@ -50,13 +50,14 @@ nitpicky = True
 # The standard library, Celery, kombu and SQLAlchemy are not documented here (no intersphinx,
 # see above), yet their types appear in signatures and lists of base classes.
 nitpick_ignore_regex = [
-    ("py:(class|mod|func|exc|obj)", r"(datetime|collections|typing|types|pickle)(\..*)?"),
+    ("py:(class|mod|func|exc|obj)", r"(datetime|collections|typing|types|pickle|pathlib|os)(\..*)?"),
     ("py:(class|mod|func|exc|obj)", r"(celery|kombu|sqlalchemy)(\..*)?"),
 ]
 # Private names that public docstrings and signatures mention. They are not part of the
 # documented API, so there is nothing to link to.
 nitpick_ignore = [
     ("py:class", "celery_duraflow._records.RunRecord"),  # what retry_run() returns
+    ("py:class", "celery_duraflow._history.History"),  # a loaded history file
 ]
 
 
