@@ -50,7 +50,8 @@ nitpicky = True
 # The standard library, Celery, kombu and SQLAlchemy are not documented here (no intersphinx,
 # see above), yet their types appear in signatures and lists of base classes.
 nitpick_ignore_regex = [
-    ("py:(class|mod|func|exc|obj)", r"(datetime|collections|typing|types|pickle|pathlib|os)(\..*)?"),
+    ("py:(class|mod|func|exc|obj)",
+     r"(datetime|collections|typing|types|pickle|pathlib|os)(\..*)?"),
     ("py:(class|mod|func|exc|obj)", r"(celery|kombu|sqlalchemy)(\..*)?"),
 ]
 # Private names that public docstrings and signatures mention. They are not part of the
