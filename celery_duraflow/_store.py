@@ -67,6 +67,7 @@ from ._records import (
     StepRecord,
     StepStatus,
     WaitKind,
+    as_utc,
     reader,
     utc_now,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "WaitKind",
     "all_stores",
     "close_all_stores",
+    "discard_store",
     "store_for",
 ]
 
@@ -489,8 +491,10 @@ class Store(WaitStatements):
         stmt = (
             select(runs)
             .where(runs.c.pruned_at.is_(None), or_(
+                # Due at the expiry itself, as sleep() is: a test clock stopped at a
+                # wake-up time finds the run due.
                 and_(runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
-                     runs.c.lease_expires_at < now),
+                     runs.c.lease_expires_at <= now),
                 and_(runs.c.status == WAITING, runs.c.wait_kind == "signal",
                      exists().where(signals.c.task_id == runs.c.task_id,
                                     signals.c.name == runs.c.waiting_for)),
@@ -503,6 +507,33 @@ class Store(WaitStatements):
         )
         with self._read("looking for runs to wake or recover") as conn:
             return [RunRecord.from_row(row) for row in conn.execute(stmt)]
+
+    def next_due(self, until: datetime) -> datetime | None:
+        """The earliest lease or wait expiry, no later than ``until``, of a run the sweep
+        would find due once it passes (a sleeping, waiting or running run); None if none.
+
+        For a test clock that moves time forward (``celery_duraflow.testing``): it
+        stops at each such moment in turn, so runs wake in the order they are due.
+        """
+        runs = self.tables.runs
+        stmt = (select(func.min(runs.c.lease_expires_at))
+                .where(runs.c.pruned_at.is_(None),
+                       runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
+                       runs.c.lease_expires_at <= until))
+        with self._read("looking for the next run due") as conn:
+            moment = conn.execute(stmt).scalar()
+        return as_utc(moment) if isinstance(moment, datetime) else None
+
+    def drop_tables(self) -> None:
+        """Drop every table of this store's prefix, and close its connections.
+
+        Only for a store made for one test (``celery_duraflow.testing``), on
+        tables of a prefix of its own; nothing in the library drops tables.
+        """
+        self.close()
+        with self._unavailable("dropping the tables of a test store"):
+            self.tables.metadata.drop_all(self._transactional())
+        self.close()
 
     def mark_recovering(self, run: RunRecord, grace: float) -> bool:
         """Claim the right to send a run found by the sweep; False if another sweeper (or a
@@ -815,6 +846,17 @@ def store_for(config: Config) -> Store:
     # object (the config with it, so that a recycled id never matches another).
     _by_config[id(config)] = (config, store)
     return store
+
+
+def discard_store(store: Store) -> None:
+    """Close ``store`` and forget it, leaving every other store as it is (test fixtures)."""
+    with _stores_lock:
+        for key in [key for key, known in _stores.items() if known is store]:
+            del _stores[key]
+        for config_id in [config_id for config_id, (_, known) in _by_config.items()
+                          if known is store]:
+            del _by_config[config_id]
+    store.close()
 
 
 def all_stores() -> list[Store]:
