@@ -550,3 +550,60 @@ def test_nap(duraflow_store, duraflow_clock):
     assert _clock._source is clock_before
     assert {id(store) for store in all_stores()} == stores_before
     assert _receivers() == receivers_before
+
+
+def test_exported_history_replays_in_a_users_test(pytester: pytest.Pytester,
+                                                   sqlite_default: None) -> None:
+    """duraflow_store.assert_replays(file) passes for code that carries the exported run on and
+    fails, naming the divergence, for code that inserted a step before its wait."""
+    from celery import Celery
+
+    from celery_duraflow import DurableTask, export_history, step, wait_for_signal
+    from celery_duraflow.testing import isolated_store
+
+    app = Celery("shop-prod", broker="memory://", set_as_current=False)
+    app.conf.update(result_backend="cache+memory://")
+
+    @app.task(base=DurableTask, name="shop.order", shared=False)
+    def order(number: str) -> Any:
+        with step("reserve") as s:
+            s.result = number
+        return wait_for_signal("approval")
+
+    with isolated_store(app, directory=pytester.path) as store:
+        run = store.start(order, "o-7")
+        assert run.status == "waiting"
+        (pytester.path / "order-o-7.json").write_text(export_history(run.task_id, app=app))
+    pytester.makepyfile(test_replays=USER_APP + '''
+
+import pytest
+
+from celery_duraflow import step, wait_for_signal
+
+
+def make(extra_step):
+    app.tasks.pop("shop.order", None)  # Celery keeps the first task of a name otherwise
+
+    @app.task(base=DurableTask, name="shop.order")
+    def order(number):
+        if extra_step:
+            with step("fraud-check") as s:
+                s.result = "ok"
+        with step("reserve") as s:
+            s.result = number
+        return wait_for_signal("approval")
+
+
+def test_same_code(duraflow_store):
+    make(extra_step=False)
+    result = duraflow_store.assert_replays("order-o-7.json")
+    assert result.stopped_at == "approval"
+
+
+def test_inserted_step(duraflow_store):
+    make(extra_step=True)
+    with pytest.raises(AssertionError, match="recorded 'reserve' there, the code now reaches "
+                                             "'fraud-check'"):
+        duraflow_store.assert_replays("order-o-7.json")
+''')
+    run_session(pytester).assert_outcomes(passed=2)

@@ -13,6 +13,8 @@ See the how-to "Test your own durable tasks" in the documentation.
 """
 
 from ._clock_fixture import DuraflowClock, controlled_clock
+from ._history import assert_replays
 from ._store_fixture import DuraflowStore, isolated_store
 
-__all__ = ["DuraflowClock", "DuraflowStore", "controlled_clock", "isolated_store"]
+__all__ = ["DuraflowClock", "DuraflowStore", "assert_replays", "controlled_clock",
+           "isolated_store"]

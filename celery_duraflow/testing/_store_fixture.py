@@ -10,6 +10,7 @@ really ran, for assertions such as :meth:`DuraflowStore.assert_step_ran_once`.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -22,11 +23,13 @@ from celery.signals import task_prerun
 
 from .._admin import list_runs
 from .._config import _ALIAS_WATCH_ATTR, _CACHE_ATTR, config_for_app
+from .._replay import ReplayResult, check_history
 from .._store import Store, discard_store, store_for
 from .._task import DurableTask
 from .._view import RunView, get_run
 from .._waits import send_signal
 from ..signals import step_replayed, step_started
+from ._history import assert_replays
 
 #: What a test names a run with: its task id, its :class:`RunView`, or the Celery
 #: result (``EagerResult``/``AsyncResult``) of the task that started it.
@@ -303,6 +306,15 @@ class DuraflowStore:
     def steps_replayed(self, run: RunRef) -> list[str]:
         """The keys of the steps answered from the store in the run's latest attempt."""
         return [step for step, ran in self._latest(run) if not ran]
+
+    def check_history(self, history: str | os.PathLike[str]) -> ReplayResult:
+        """Replay an exported run (``celery duraflow export``) against this app's current
+        code, without any database; see :func:`celery_duraflow.check_history`."""
+        return check_history(os.fspath(history), app=self._app)
+
+    def assert_replays(self, history: str | os.PathLike[str]) -> ReplayResult:
+        """:meth:`check_history`, failing the test unless the run is compatible."""
+        return assert_replays(history, app=self._app)
 
     def _latest(self, run: RunRef) -> list[tuple[str, bool]]:
         task_id = task_id_of(run)
