@@ -30,7 +30,7 @@ from ._store import (
     RunStatus,
 )
 from .errors import LeaseLost
-from .signals import run_unwound
+from .signals import compensation_ran, run_finished, run_unwound
 
 logger = logging.getLogger("celery_duraflow.compensation")
 
@@ -84,6 +84,8 @@ def unwind(ctx: RunContext, run: RunRecord, reason: str, error: str | None) -> R
                         task_id=ctx.task_id)
     log = logger.warning if failures else logger.info
     log("task %s is %s", ctx.task_id, status)
+    if run_finished.receivers:
+        run_finished.send(sender=ctx.task, task_id=ctx.task_id, status=status)
     if run_unwound.receivers:
         run_unwound.send(sender=ctx.task, task_id=ctx.task_id, reason=reason, status=status)
     return status
@@ -107,6 +109,9 @@ def _compensate(ctx: RunContext, key: str, undo: Any, value: Any) -> str | None:
             new = False
             logger.warning("undoing step %r of task %s failed (try %d of %d): %s", key,
                            ctx.task_id, attempt, UNDO_ATTEMPTS, _error_text(exc))
+            if compensation_ran.receivers:
+                compensation_ran.send(sender=ctx.task, task_id=ctx.task_id, step_key=key,
+                                      attempt=attempt, exception=exc)
             if attempt == UNDO_ATTEMPTS:
                 return f"undoing step {key!r} failed: {_error_text(exc)}"
             time.sleep(UNDO_BACKOFF * 2 ** (attempt - 1))
@@ -118,5 +123,8 @@ def _compensate(ctx: RunContext, key: str, undo: Any, value: Any) -> str | None:
         ctx.record(record_key, f"the undo of step {key!r}", status=STEP_COMPLETED,
                    started_at=started, output=data, serializer=ctx.serializer_name, new=new)
         logger.info("step %r of task %s undone", key, ctx.task_id)
+        if compensation_ran.receivers:
+            compensation_ran.send(sender=ctx.task, task_id=ctx.task_id, step_key=key,
+                                  attempt=attempt, exception=None)
         return None
     return None  # pragma: no cover - the loop always returns

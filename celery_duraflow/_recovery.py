@@ -37,6 +37,7 @@ from celery import shared_task
 from ._config import Config, app_and_config, config_for_app
 from ._send import recorded_arguments, send_run, wake_parent
 from ._store import FAILED, RUNNING, RunRecord, store_for
+from .signals import run_recovered
 
 logger = logging.getLogger("celery_duraflow.recovery")
 
@@ -147,6 +148,9 @@ def sweep(app: Any = None, *, limit: int = 100) -> SweepResult:
             if not store.mark_recovering(run, grace=config.lease_seconds):
                 continue  # another sweeper got it
             send_run(app, run)
+            if run_recovered.receivers:
+                run_recovered.send(sender=app, task_id=run.task_id, task_name=run.task_name,
+                                   status=run.status)
             if run.status == RUNNING:
                 logger.warning("task %s (%s) had no live owner; sent it again (recovery %d)",
                                run.task_id, run.task_name, run.recoveries + 1)

@@ -362,7 +362,7 @@ class StepContext:
                              self.key, ctx.task_id, self.attempt)
             if step_started.receivers:
                 step_started.send(sender=ctx.task, task_id=ctx.task_id, step_key=self.key,
-                                  attempt=self.attempt)
+                                  attempt=self.attempt, in_doubt=self.in_doubt)
             if self.atomic:
                 # Last, so that nothing between here and the body can leave it open.
                 self._tx = ctx.store.atomic(ctx.task_id, self.key)
@@ -429,7 +429,8 @@ class StepContext:
         self._should_run = False
         logger.debug("step %r of task %s: completed earlier, body skipped", self.key, ctx.task_id)
         if step_replayed.receivers:
-            step_replayed.send(sender=ctx.task, task_id=ctx.task_id, step_key=self.key)
+            step_replayed.send(sender=ctx.task, task_id=ctx.task_id, step_key=self.key,
+                               attempt=self.attempt)
 
     def _end(self, exc: BaseException | None) -> None:
         ctx = self._ctx

@@ -50,6 +50,7 @@ from ._store import (
     Store,
     store_for,
 )
+from ._telemetry import install_telemetry
 from .errors import (
     ConfigurationError,
     LeaseLost,
@@ -59,6 +60,7 @@ from .errors import (
     StoreUnavailable,
     UnsupportedCode,
 )
+from .signals import attempt_finished, attempt_started, run_finished, store_unavailable
 
 logger = logging.getLogger("celery_duraflow.task")
 
@@ -201,6 +203,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             # first attempt of some worker thread (the result is cached per code object).
             code_fingerprint(cls.run)
         install_signal_handlers()
+        install_telemetry()
         install_canvas_fixes(DurableTask)
 
     def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
@@ -271,11 +274,20 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                 run, recorded = taken, None
 
             keeper().hold(store, run_key, owner)
+            if attempt_started.receivers:
+                attempt_started.send(sender=self, task_id=run_key, attempt=run.attempts)
+            ended: BaseException | None = None
             try:
                 return self._attempt(store, config, serializer, run, recorded, owner, args,
                                      kwargs, celery_id=task_id, level=nesting)
+            except BaseException as exc:
+                ended = exc
+                raise
             finally:
                 keeper().release(store, run_key, owner)
+                if attempt_finished.receivers:
+                    attempt_finished.send(sender=self, task_id=run_key, attempt=run.attempts,
+                                          exception=ended)
 
     def _attempt(self, store: Store, config: Config, serializer: Serializer, run: RunRecord,
                  recorded: dict[str, StepRecord] | None, owner: str, args: tuple[Any, ...],
@@ -359,6 +371,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         data = self._stored_result(ctx, run, serializer, result)
         if store.finish_run(task_id, owner, SUCCEEDED, result=data,
                             serializer=config.serializer):
+            if run_finished.receivers:
+                run_finished.send(sender=self, task_id=task_id, status=SUCCEEDED)
             wake_parent(self._get_app(), run)
         else:
             logger.warning("task %s finished, but another attempt owns the run now; its "
@@ -440,6 +454,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             return
         if ended:
             logger.info("task %s (%s) was %s", ctx.task_id, self.name, status)
+            if run_finished.receivers:
+                run_finished.send(sender=self, task_id=ctx.task_id, status=status)
             wake_parent(self._get_app(), replace(run, status=status))
 
     def replace(self, sig: Any) -> Any:
@@ -637,6 +653,9 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         """
         request = self.request
         if request.is_eager:
+            if store_unavailable.receivers:
+                store_unavailable.send(sender=self, task_id=request.id, exception=exc,
+                                       giving_up=True)
             raise exc
         now = time.time()
         retries = int(request.retries or 0)
@@ -649,6 +668,9 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                 since, resends = now, 0
         elapsed = max(0.0, now - since)
         left = config.store_outage_timeout - elapsed
+        if store_unavailable.receivers:
+            store_unavailable.send(sender=self, task_id=request.id, exception=exc,
+                                   giving_up=left <= 0)
         if left <= 0:
             logger.error("task %s: the store has been unavailable for %.0fs (%d re-sends), "
                          "longer than duraflow_store_outage_timeout (%.0fs); the task fails",
@@ -683,11 +705,14 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
     def _record_failure(self, ctx: RunContext, exc: BaseException) -> bool:
         """Record that the run failed for good; True if it was recorded."""
         try:
-            return ctx.store.finish_run(ctx.task_id, ctx.owner, FAILED,
-                                        error=f"{type(exc).__qualname__}: {exc}"[:4000])
+            ended = ctx.store.finish_run(ctx.task_id, ctx.owner, FAILED,
+                                         error=f"{type(exc).__qualname__}: {exc}"[:4000])
         except StoreUnavailable:
             logger.warning("could not record the failure of task %s", ctx.task_id, exc_info=True)
             return False
+        if ended and run_finished.receivers:
+            run_finished.send(sender=self, task_id=ctx.task_id, status=FAILED)
+        return ended
 
     def _send_later(self, countdown: float) -> None:
         """Send this run again in ``countdown`` seconds (a short sleep or timeout)."""

@@ -57,6 +57,7 @@ from .errors import (
     SignalTimeout,
     StepOutputNotSerializable,
 )
+from .signals import signal_delivered, wait_ended, wait_reached
 
 logger = logging.getLogger("celery_duraflow.waits")
 
@@ -152,6 +153,10 @@ class _Wait:
             task_id=ctx.task_id, key=self.key, status=status, attempts=1, output=data,
             serializer=ctx.serializer_name, error=None, started_at=self.now,
             completed_at=self.now if status == STEP_COMPLETED else None, position=self.position)
+        if status == STEP_COMPLETED and wait_ended.receivers:
+            wait_ended.send(sender=ctx.task, task_id=ctx.task_id, step_key=self.key,
+                            kind=self.kind, timed_out=self.kind == "sleep"
+                            or bool(output.get("timed_out")))
 
     def lease_lost(self) -> LeaseLost:
         return LeaseLost(
@@ -181,6 +186,9 @@ class _Wait:
             return False
         logger.info("task %s is %s at %s %r%s", ctx.task_id, status, self.kind, self.key,
                     f" until {wake_at.isoformat()}" if wake_at else "")
+        if wait_reached.receivers:
+            wait_reached.send(sender=ctx.task, task_id=ctx.task_id, step_key=self.key,
+                              kind=self.kind, status=status, wake_at=wake_at)
         raise Suspended(ctx.task_id, self.key, status, countdown)
 
     def duration(self, value: float | timedelta | None, what: str) -> float | None:
@@ -431,6 +439,8 @@ def send_signal(task_id: str, name: str, payload: Any = None, *, app: Any = None
             f"{config.serializer!r} serializer ({error}): {describe(payload)}. Send plain data.",
             task_id=task_id, step_key=name) from error
     stored = store.put_signal(task_id, name, data, config.serializer)
+    if signal_delivered.receivers:
+        signal_delivered.send(sender=app, task_id=task_id, name=name, stored=stored)
     if not stored:
         logger.info("signal %r for task %s was already stored; this one is ignored", name,
                     task_id)

@@ -1,0 +1,57 @@
+"""Switching OpenTelemetry on when the ``otel`` extra is installed, at no cost when it is not.
+
+Nothing here imports OpenTelemetry: :func:`install_telemetry` (called when the first
+DurableTask class is created) looks for the package without importing it, and only
+when it is there loads :mod:`celery_duraflow.contrib.opentelemetry`, which connects
+its receivers to the library's signals. ``DURAFLOW_OTEL=0`` in the environment keeps it
+off; so does :func:`celery_duraflow.contrib.opentelemetry.uninstrument`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import threading
+
+logger = logging.getLogger("celery_duraflow.telemetry")
+
+#: The environment variable that switches the automatic instrumentation off ("0", "off",
+#: "false" or "no").
+ENVIRONMENT_SWITCH = "DURAFLOW_OTEL"
+_OFF = frozenset({"0", "off", "false", "no"})
+
+_checked = False
+_lock = threading.Lock()
+
+
+def wanted() -> bool:
+    """Whether OpenTelemetry should be switched on automatically: the API is installed
+    and the environment does not say no. Imports nothing."""
+    if os.environ.get(ENVIRONMENT_SWITCH, "").strip().lower() in _OFF:
+        return False
+    try:
+        return importlib.util.find_spec("opentelemetry") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def install_telemetry() -> None:
+    """Instrument runs with OpenTelemetry if :func:`wanted`; once per process."""
+    global _checked
+    if _checked:
+        return
+    with _lock:
+        if _checked:
+            return
+        _checked = True
+        if not wanted():
+            return
+        try:
+            from .contrib import opentelemetry
+        except ImportError:
+            # A namespace package without the API (another distribution's module).
+            logger.debug("opentelemetry is present but its API is not; no telemetry",
+                         exc_info=True)
+            return
+        opentelemetry.auto_instrument()
