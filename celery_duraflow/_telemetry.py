@@ -3,8 +3,10 @@
 Nothing here imports OpenTelemetry: :func:`install_telemetry` (called when the first
 DurableTask class is created) looks for the package without importing it, and only
 when it is there loads :mod:`celery_duraflow.contrib.opentelemetry`, which connects
-its receivers to the library's signals. ``DURAFLOW_OTEL=0`` in the environment keeps it
-off; so does :func:`celery_duraflow.contrib.opentelemetry.uninstrument`.
+its receivers to the library's signals. OpenTelemetry's own switches keep it off:
+``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` naming ``celery_duraflow`` (a comma-separated
+list, as ``opentelemetry-instrument`` reads it) or ``OTEL_SDK_DISABLED=true``; so does
+:func:`celery_duraflow.contrib.opentelemetry.uninstrument`.
 """
 
 from __future__ import annotations
@@ -16,10 +18,8 @@ import threading
 
 logger = logging.getLogger("celery_duraflow.telemetry")
 
-#: The environment variable that switches the automatic instrumentation off ("0", "off",
-#: "false" or "no").
-ENVIRONMENT_SWITCH = "DURAFLOW_OTEL"
-_OFF = frozenset({"0", "off", "false", "no"})
+#: The name this instrumentation goes by in ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``.
+INSTRUMENTATION_NAME = "celery_duraflow"
 
 _checked = False
 _lock = threading.Lock()
@@ -28,7 +28,10 @@ _lock = threading.Lock()
 def wanted() -> bool:
     """Whether OpenTelemetry should be switched on automatically: the API is installed
     and the environment does not say no. Imports nothing."""
-    if os.environ.get(ENVIRONMENT_SWITCH, "").strip().lower() in _OFF:
+    disabled = os.environ.get("OTEL_PYTHON_DISABLED_INSTRUMENTATIONS", "")
+    if INSTRUMENTATION_NAME in {name.strip() for name in disabled.split(",")}:
+        return False
+    if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     try:
         return importlib.util.find_spec("opentelemetry") is not None

@@ -1,8 +1,9 @@
 """OpenTelemetry spans and metrics of durable runs: the ``otel`` extra.
 
 With ``opentelemetry-api`` installed this module is switched on by itself, when
-the first DurableTask class is created (``DURAFLOW_OTEL=0`` keeps it off). It
-connects receivers to the library's signals (:mod:`celery_duraflow.signals`)
+the first DurableTask class is created; ``OTEL_SDK_DISABLED=true``, or
+``celery_duraflow`` in ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``, keeps it off.
+It connects receivers to the library's signals (:mod:`celery_duraflow.signals`)
 and turns them into
 
 - a span per attempt (``duraflow attempt <task name>``), child of the current
