@@ -34,6 +34,10 @@ Benchmarks (``--only`` takes a comma-separated list of these names):
     An atomic step whose body writes one row in the step's transaction against a plain
     step whose body writes the same row on its own autocommit connection, per step and
     as a ratio, on PostgreSQL and on SQLite (:mod:`benchmarks.atomic`).
+``telemetry``
+    The same N-step task with OpenTelemetry off, on without an SDK and on with the SDK
+    (in-memory exporter), fresh and replayed, the modes taking turns in the same rounds;
+    per step and as ratios to off (:mod:`benchmarks.telemetry`).
 
 ``--profile`` adds the per-attempt profile of :func:`benchmarks.profile.attempt_profile`
 (Celery's apply, each Store call, the rest of the library).
@@ -101,7 +105,8 @@ from .common import (
 )
 from .workload import HandWritten
 
-BENCHMARKS = ("fresh", "replay", "sqlite", "wal", "dbos", "e2e", "memory", "atomic")
+BENCHMARKS = ("fresh", "replay", "sqlite", "wal", "dbos", "e2e", "memory", "atomic",
+              "telemetry")
 # The floor INSERT is timed in bursts of this many back to back (its best case).
 FLOOR_BURST = 20
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -150,6 +155,10 @@ class Sizes:
     atomic_rounds: int = 5
     atomic_runs: int = 20
     atomic_steps: int = 10
+    # telemetry: rounds, runs of each mode per round and kind, steps per task
+    telemetry_rounds: int = 5
+    telemetry_runs: int = 20
+    telemetry_steps: int = 10
 
 
 FULL = Sizes(
@@ -176,6 +185,7 @@ QUICK = Sizes(
     memory_runs=50, memory_steps=10, memory_warmup=10, memory_samples=2,
     profile_runs={0: 5, 10: 3}, profile_traced={0: 3, 10: 2},
     atomic_rounds=1, atomic_runs=2, atomic_steps=3,
+    telemetry_rounds=1, telemetry_runs=2, telemetry_steps=3,
 )
 
 
@@ -1104,6 +1114,16 @@ class Harness:
                                    warmup=s.warmup)
         self.section("Atomic steps against plain ones", lines)
         self.results["atomic"] = data
+
+    def bench_telemetry(self) -> None:
+        from .telemetry import bench_telemetry
+
+        s = self.sizes
+        lines, data = bench_telemetry(self.database_url, self.prefix, steps=s.telemetry_steps,
+                                      rounds=s.telemetry_rounds, runs=s.telemetry_runs,
+                                      warmup=s.warmup)
+        self.section("OpenTelemetry cost", lines)
+        self.results["telemetry"] = data
 
     def bench_profile(self) -> None:
         from .profile import attempt_profile

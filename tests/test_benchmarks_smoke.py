@@ -24,6 +24,7 @@ SECTIONS = (
     "### RabbitMQ",
     "## Memory",
     "## Atomic steps against plain ones",
+    "## OpenTelemetry cost",
     "## Per-attempt profile",
     "## Targets",
 )
