@@ -66,6 +66,31 @@ SEND_SIGNAL_TASK_NAME = "celery_duraflow.send_signal"
 _CHILD_NAMESPACE = uuid.UUID("0c5b8f5e-61a4-5b0e-8d2e-3f7a9c1d2b4e")
 
 
+# How long a worker may hold an unacknowledged message when broker_transport_options does not
+# say: RabbitMQ's default consumer_timeout, 30 minutes (Redis's visibility_timeout is an hour).
+DEFAULT_BROKER_HOLD_LIMIT = 1800.0
+
+
+def eta_limit(task: Any) -> float:
+    """The longest broker countdown (ETA) a wait is sent with, in seconds.
+
+    A worker holds a message with a countdown unacknowledged until its time. Held longer
+    than the broker allows, it is given to another worker (Redis, SQS:
+    ``visibility_timeout``) or the worker's channel is closed (RabbitMQ:
+    ``consumer_timeout``, PRECONDITION_FAILED, which stops a Celery worker). So a wait
+    is sent with a countdown only under half that limit, read in seconds from
+    ``broker_transport_options`` (``consumer_timeout``, else ``visibility_timeout``;
+    a limit of 30 minutes when neither is there); a longer one is woken by the sweep alone.
+    """
+    options = getattr(getattr(task, "app", None), "conf", {}).get("broker_transport_options")
+    for key in ("consumer_timeout", "visibility_timeout"):
+        try:
+            return float(options[key]) / 2
+        except (KeyError, TypeError, ValueError):
+            continue
+    return DEFAULT_BROKER_HOLD_LIMIT / 2
+
+
 def child_task_id(parent_id: str, key: str) -> str:
     """The task id of the child started at step ``key`` of run ``parent_id``."""
     return str(uuid.uuid5(_CHILD_NAMESPACE, f"{parent_id}/{key}"))
@@ -176,7 +201,7 @@ class _Wait:
             remaining = max(0.0, (wake_at - _clock.now()).total_seconds())
             task = ctx.task
             eager = bool(task is not None and task.request.is_eager)
-            if remaining < self.config.eta_threshold and not eager:
+            if remaining < min(self.config.eta_threshold, eta_limit(task)) and not eager:
                 # The broker brings the run back on time; the sweep is the safety net,
                 # a lease later, should that message be lost.
                 countdown = remaining
