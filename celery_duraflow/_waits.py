@@ -82,7 +82,8 @@ def eta_limit(task: Any) -> float:
     ``broker_transport_options`` (``consumer_timeout``, else ``visibility_timeout``;
     a limit of 30 minutes when neither is there); a longer one is woken by the sweep alone.
     """
-    options = getattr(getattr(task, "app", None), "conf", {}).get("broker_transport_options")
+    conf = getattr(getattr(task, "app", None), "conf", None) or {}
+    options: Any = conf.get("broker_transport_options") or {}
     for key in ("consumer_timeout", "visibility_timeout"):
         try:
             return float(options[key]) / 2
