@@ -156,8 +156,8 @@ class Sizes:
     atomic_runs: int = 20
     atomic_steps: int = 10
     # telemetry: rounds, runs of each mode per round and kind, steps per task
-    telemetry_rounds: int = 5
-    telemetry_runs: int = 20
+    telemetry_rounds: int = 10
+    telemetry_runs: int = 50
     telemetry_steps: int = 10
 
 

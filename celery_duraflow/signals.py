@@ -68,9 +68,9 @@ attempt_finished = Signal(name="duraflow_attempt_finished",
 #: The run ended for good in this attempt, with ``status`` ("succeeded", "failed",
 #: "compensated", "cancelled", "ignored", "rejected" or "replaced").
 run_finished = Signal(name="duraflow_run_finished", providing_args={"task_id", "status"})
-#: The run suspends at a wait: ``kind`` is "sleep", "signal" or "child", ``step_key``
-#: the wait's key, ``status`` the run's ("sleeping" or "waiting") and ``wake_at`` the
-#: deadline (a datetime, or None for a wait without a timeout).
+#: The run suspends at a wait of ``kind`` "sleep", "signal" or "child" (``step_key``
+#: is the wait's key, ``status`` the run's, "sleeping" or "waiting", and ``wake_at``
+#: the deadline, a datetime, or None for a wait without a timeout).
 wait_reached = Signal(name="duraflow_wait_reached",
                       providing_args={"task_id", "step_key", "kind", "status", "wake_at"})
 #: A wait ended and its outcome was recorded (``timed_out``: its time ran out before a
