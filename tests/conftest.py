@@ -3,7 +3,9 @@
 Services come from the environment:
 
 * ``DURAFLOW_TEST_DATABASE_URL``: PostgreSQL (default: the local ``test`` database);
-* ``DURAFLOW_TEST_BROKER_URL``: Redis (default: database 9 on the local server).
+* ``DURAFLOW_TEST_BROKER_URL``: Redis (default: database 9 on the local server);
+* ``DURAFLOW_TEST_RABBITMQ_URL``: RabbitMQ (default: the local server's ``/`` vhost),
+  for the delivery tests that run on both brokers (see :func:`broker`).
 
 A test that needs one of them is skipped with the reason when it is
 unreachable, unless ``DURAFLOW_REQUIRE_SERVICES=1`` (as in CI), where that is a
@@ -17,6 +19,7 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,7 @@ pytest_plugins = ("celery.contrib.pytest",)
 
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/9"
+DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 
 REQUIRE_SERVICES = os.environ.get("DURAFLOW_REQUIRE_SERVICES") == "1"
 
@@ -71,6 +75,52 @@ def redis_url() -> str:
     except Exception as exc:
         _unavailable("Redis", url, exc)
     return url
+
+
+@pytest.fixture(scope="session")
+def rabbitmq_url() -> str:
+    """URL of a reachable RabbitMQ server."""
+    from kombu import Connection
+
+    url = os.environ.get("DURAFLOW_TEST_RABBITMQ_URL", DEFAULT_RABBITMQ_URL)
+    try:
+        with Connection(url, connect_timeout=2) as conn:
+            conn.ensure_connection(max_retries=1)
+    except Exception as exc:
+        _unavailable("RabbitMQ", url, exc)
+    return url
+
+
+@dataclass(frozen=True)
+class Broker:
+    """A broker the delivery tests run on, and the result backend that goes with it."""
+
+    name: str
+    url: str
+    # Results are not about delivery: both brokers keep them in Redis (Celery 5 has no
+    # amqp result backend, and rpc:// answers only the client that sent the task).
+    result_backend: str
+
+    def delete_queue(self, queue: str) -> None:
+        """Delete ``queue`` (RabbitMQ: queue.delete; Redis: the list and its bindings)."""
+        from kombu import Connection
+
+        from tests.workers import delete_queue
+
+        with Connection(self.url, connect_timeout=5) as conn:
+            delete_queue(conn, queue)
+
+
+BROKERS = ("redis", "rabbitmq")
+
+
+@pytest.fixture(params=BROKERS)
+def broker(request: pytest.FixtureRequest) -> Broker:
+    """Each delivery test that uses it runs once on Redis and once on RabbitMQ."""
+    redis: str = request.getfixturevalue("redis_url")
+    if request.param == "redis":
+        return Broker("redis", redis, redis)
+    return Broker("rabbitmq", request.getfixturevalue("rabbitmq_url"), redis)
 
 
 def drop_tables(url: str, prefix: str) -> None:

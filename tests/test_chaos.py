@@ -4,10 +4,11 @@ The atomic variant runs :func:`tests.proj.chaos.chaos_ledger`, whose steps write
 their ledger rows in the step's own transaction: there the ledger table itself
 shows that no row was ever written twice.
 
-Both tests run real ``celery worker`` processes (prefork) on Redis and
-PostgreSQL with the instrumented task :func:`tests.proj.chaos.chaos_trip`,
-whose step bodies log ``start``/``end`` events to a file. The checks read that
-file and the database:
+The tests run real ``celery worker`` processes (prefork) on PostgreSQL and a
+broker (the main chaos test and the duplicate-delivery test once on Redis and
+once on RabbitMQ, the atomic one on Redis) with the instrumented task
+:func:`tests.proj.chaos.chaos_trip`, whose step bodies log ``start``/``end``
+events to a file. The checks read that file and the database:
 
 * every run succeeded and was charged exactly once;
 * no step body ever ran at the same time as another execution of itself
@@ -39,7 +40,7 @@ from celery import Celery
 from sqlalchemy import create_engine, text
 
 from celery_duraflow._store import close_all_stores
-from tests.conftest import drop_project_tables, postgres_stopped
+from tests.conftest import Broker, drop_project_tables, postgres_stopped
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.subprocess]
 
@@ -144,13 +145,14 @@ class Cluster:
 
 
 @contextmanager
-def cluster(pg_url: str, redis_url: str, tmp_path: Path, *,
+def cluster(pg_url: str, broker: Broker, tmp_path: Path, *,
             lease_seconds: float) -> Iterator[Cluster]:
     prefix = f"c{uuid.uuid4().hex[:8]}_"
     queue = f"chaos-{uuid.uuid4().hex[:8]}"
     logs = tmp_path / "logs"
     logs.mkdir()
-    env = {**os.environ, "PROJ_BROKER_URL": redis_url, "PROJ_DATABASE_URL": pg_url,
+    env = {**os.environ, "PROJ_BROKER_URL": broker.url,
+           "PROJ_RESULT_BACKEND": broker.result_backend, "PROJ_DATABASE_URL": pg_url,
            "PROJ_TABLE_PREFIX": prefix, "PROJ_LEASE_SECONDS": str(lease_seconds),
            "PROJ_EVENT_LOG": str(tmp_path / "events.log")}
     c = Cluster(env=env, queue=queue, prefix=prefix, database_url=pg_url,
@@ -160,16 +162,15 @@ def cluster(pg_url: str, redis_url: str, tmp_path: Path, *,
     finally:
         c.stop()
         close_all_stores()
-        drop_project_tables(pg_url, prefix)
-        import redis
-
-        client = redis.Redis.from_url(redis_url)
-        client.delete(queue)
-        client.close()
+        try:
+            drop_project_tables(pg_url, prefix)
+        finally:
+            broker.delete_queue(queue)
 
 
-def client_app(c: Cluster, redis_url: str) -> Celery:
-    app = Celery("chaos-client", broker=redis_url, backend=redis_url, set_as_current=False)
+def client_app(c: Cluster, broker: Broker) -> Celery:
+    app = Celery("chaos-client", broker=broker.url, backend=broker.result_backend,
+                 set_as_current=False)
     app.conf.update(task_default_queue=c.queue, broker_connection_retry_on_startup=True)
     return app
 
@@ -245,10 +246,10 @@ def wait_for_runs(c: Cluster, count: int, timeout: float) -> dict[str, int]:
 
 
 @pytest.mark.chaos
-def test_chaos_kills_and_outage(pg_url: str, redis_url: str, tmp_path: Path) -> None:
+def test_chaos_kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path) -> None:
     """200 runs survive SIGKILLed children and a PostgreSQL outage: each done, charged once."""
-    runs = 200
-    with cluster(pg_url, redis_url, tmp_path, lease_seconds=3) as c:
+    runs, kills = 200, 40
+    with cluster(pg_url, broker, tmp_path, lease_seconds=3) as c:
         c.start_worker(0)
         c.start_worker(1)
         c.wait_ready(2)
@@ -257,7 +258,7 @@ def test_chaos_kills_and_outage(pg_url: str, redis_url: str, tmp_path: Path) -> 
              "--interval", "1"], cwd=REPO_ROOT, env=c.env,
             stdout=open(c.logs / "sweeper.log", "ab"),  # noqa: SIM115
             stderr=subprocess.STDOUT, start_new_session=True)
-        app = client_app(c, redis_url)
+        app = client_app(c, broker)
         task_ids = [str(uuid.uuid4()) for _ in range(runs)]
         for n, task_id in enumerate(task_ids):
             app.send_task("proj.chaos_trip", args=(n,), task_id=task_id, queue=c.queue)
@@ -276,7 +277,7 @@ def test_chaos_kills_and_outage(pg_url: str, redis_url: str, tmp_path: Path) -> 
         try:
             # A kill every half second or so, 40 in all (about 20 s); a try that finds no
             # child (a pool is restarting one) does not count.
-            while len(c.kills) < 40 and time.monotonic() - started < 40:
+            while len(c.kills) < kills and time.monotonic() - started < 40:
                 c.kill_random_child()
                 for index, worker in enumerate(list(c.workers)):
                     if worker.poll() is not None:  # a whole worker died: start another
@@ -304,12 +305,13 @@ def test_chaos_kills_and_outage(pg_url: str, redis_url: str, tmp_path: Path) -> 
         problems, duplicates, in_doubt = check_executions(c, executions)
         recoveries = int(str(c.sql(f'SELECT sum(recoveries) FROM "{c.prefix}runs"')[0][0]))
         redeliveries = len(deliveries) - len(set(deliveries))
-        print(f"\nchaos: runs={runs} kills={len(c.kills)} redeliveries={redeliveries} "
+        print(f"\nchaos: broker={broker.name} runs={runs} kills={len(c.kills)} "
+              f"redeliveries={redeliveries} "
               f"in-doubt re-runs={in_doubt} sweep recoveries={recoveries} "
               f"duplicates={duplicates}")
         assert problems == [], "\n".join(problems[:20])
         assert duplicates == 0
-        assert len(c.kills) == 40
+        assert len(c.kills) == kills
 
 
 @pytest.mark.chaos
@@ -317,7 +319,8 @@ def test_chaos_kills_atomic_steps_write_once(pg_url: str, redis_url: str,
                                              tmp_path: Path) -> None:
     """100 runs of atomic ledger steps under SIGKILLs: all succeed, no ledger row twice."""
     runs = 100
-    with cluster(pg_url, redis_url, tmp_path, lease_seconds=3) as c:
+    broker = Broker("redis", redis_url, redis_url)
+    with cluster(pg_url, broker, tmp_path, lease_seconds=3) as c:
         c.start_worker(0)
         c.start_worker(1)
         c.wait_ready(2)
@@ -326,7 +329,7 @@ def test_chaos_kills_atomic_steps_write_once(pg_url: str, redis_url: str,
              "--interval", "1"], cwd=REPO_ROOT, env=c.env,
             stdout=open(c.logs / "sweeper.log", "ab"),  # noqa: SIM115
             stderr=subprocess.STDOUT, start_new_session=True)
-        app = client_app(c, redis_url)
+        app = client_app(c, broker)
         task_ids = [str(uuid.uuid4()) for _ in range(runs)]
         for n, task_id in enumerate(task_ids):
             app.send_task("proj.chaos_ledger", args=(n,), task_id=task_id, queue=c.queue)
@@ -357,22 +360,22 @@ def test_chaos_kills_atomic_steps_write_once(pg_url: str, redis_url: str,
         overlaps = [p for p in problems if "was still running it" in p]
         # Bodies a kill cut short, started again: their writes had been rolled back.
         rerun = sum(max(0, len(r) - 1) for r in executions.values())
-        print(f"\nchaos (atomic): runs={runs} kills={len(c.kills)} bodies re-run after a "
-              f"kill={rerun} in-doubt re-runs={in_doubt} ledger rows written twice="
-              f"{len(twice)}")
+        print(f"\nchaos (atomic): broker={broker.name} runs={runs} kills={len(c.kills)} "
+              f"bodies re-run after a kill={rerun} in-doubt re-runs={in_doubt} "
+              f"ledger rows written twice={len(twice)}")
         assert overlaps == [], "\n".join(overlaps[:20])
         assert in_doubt == 0  # an atomic step is never in doubt
         assert len(c.kills) == 30
 
 
-def test_duplicate_delivery_runs_each_step_once(pg_url: str, redis_url: str,
+def test_duplicate_delivery_runs_each_step_once(pg_url: str, broker: Broker,
                                                 tmp_path: Path) -> None:
     """The same task id sent twice at once to two workers: every body runs once, both end."""
-    with cluster(pg_url, redis_url, tmp_path, lease_seconds=10) as c:
+    with cluster(pg_url, broker, tmp_path, lease_seconds=10) as c:
         c.start_worker(0, concurrency=1)
         c.start_worker(1, concurrency=1)
         c.wait_ready(2)
-        app = client_app(c, redis_url)
+        app = client_app(c, broker)
         task_ids = [str(uuid.uuid4()) for _ in range(5)]
         for n, task_id in enumerate(task_ids):
             for _copy in range(2):

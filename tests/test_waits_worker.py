@@ -1,4 +1,7 @@
-"""Waits across real ``celery worker`` processes, Redis and PostgreSQL.
+"""Waits across real ``celery worker`` processes, PostgreSQL and each broker.
+
+Every test runs once on Redis and once on RabbitMQ, each on a queue of its own
+that is deleted afterwards.
 
 A sleep outlives the worker that started it and is woken by the sweep within
 a second of its time; a signal sent with the CLI while no worker runs is
@@ -22,7 +25,7 @@ from sqlalchemy import create_engine, text
 
 from celery_duraflow import RunView, get_run
 from celery_duraflow._store import close_all_stores
-from tests.conftest import drop_project_tables
+from tests.conftest import Broker, drop_project_tables
 from tests.workers import (
     REPO_ROOT,
     client_app,
@@ -43,7 +46,7 @@ class Project:
     """tests.proj on this test's queue and tables, with workers started on demand."""
 
     pg_url: str
-    redis_url: str
+    broker: Broker
     prefix: str
     queue: str
     log_path: Path
@@ -99,14 +102,16 @@ class Project:
 
 
 @pytest.fixture
-def project(pg_url: str, redis_url: str, table_prefix: str,
+def project(pg_url: str, broker: Broker, table_prefix: str,
             tmp_path: Path) -> Iterator[Project]:
     queue = f"duraflow-waits-{uuid.uuid4().hex[:12]}"
     # No broker countdowns: every wake-up below comes from PostgreSQL through the sweep.
-    env = proj_env(pg_url, redis_url, table_prefix, PROJ_ETA_THRESHOLD="0")
-    proj = Project(pg_url=pg_url, redis_url=redis_url, prefix=table_prefix, queue=queue,
+    env = proj_env(pg_url, broker.url, table_prefix, result_backend=broker.result_backend,
+                   PROJ_ETA_THRESHOLD="0")
+    proj = Project(pg_url=pg_url, broker=broker, prefix=table_prefix, queue=queue,
                    log_path=tmp_path / "workers.log",
-                   client=client_app(pg_url, redis_url, table_prefix), env=env)
+                   client=client_app(pg_url, broker.url, table_prefix,
+                                     result_backend=broker.result_backend), env=env)
     try:
         yield proj
     finally:

@@ -1,9 +1,10 @@
 """Durable steps under a real ``celery worker`` process with a prefork pool.
 
 These tests start ``python -m celery -A tests.proj worker`` as a subprocess,
-send it runs of ``proj.book_trip`` through Redis, and check the result in
-PostgreSQL: the duraflow step rows and the project's own charge ledger.
-Each test has its own queue, worker node name and table prefix.
+send it runs of ``proj.book_trip`` through the broker (each test runs once on
+Redis and once on RabbitMQ), and check the result in PostgreSQL: the duraflow
+step rows and the project's own charge ledger. Each test has its own queue
+(deleted afterwards), worker node name and table prefix.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from sqlalchemy import create_engine, text
 
 from celery_duraflow import get_run
 from celery_duraflow._store import close_all_stores
-from tests.conftest import drop_project_tables
+from tests.conftest import Broker, drop_project_tables
 from tests.workers import (
     client_app,
     log_tail,
@@ -69,15 +70,15 @@ class Worker:
 
 
 @pytest.fixture
-def worker(pg_url: str, redis_url: str, table_prefix: str, tmp_path: Path) -> Iterator[Worker]:
+def worker(pg_url: str, broker: Broker, table_prefix: str, tmp_path: Path) -> Iterator[Worker]:
     """A prefork ``celery worker`` on tests.proj, with its own queue and tables."""
     queue = f"duraflow-test-{uuid.uuid4().hex[:12]}"
     log_path = tmp_path / "worker.log"
-    client = client_app(pg_url, redis_url, table_prefix)
+    client = client_app(pg_url, broker.url, table_prefix, result_backend=broker.result_backend)
     process = None
     try:
-        process = start_worker_process(queue, log_path,
-                                       proj_env(pg_url, redis_url, table_prefix))
+        process = start_worker_process(queue, log_path, proj_env(
+            pg_url, broker.url, table_prefix, result_backend=broker.result_backend))
         yield Worker(process=process, log_path=log_path, queue=queue, client=client,
                      database_url=pg_url, prefix=table_prefix)
     finally:

@@ -15,25 +15,31 @@ import time
 from pathlib import Path
 
 from celery import Celery
-from kombu import Queue
+from kombu import Connection, Exchange, Queue
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
 
 
-def proj_env(pg_url: str, redis_url: str, prefix: str, **extra: str) -> dict[str, str]:
-    """The environment that points tests.proj at this test's services and tables."""
+def proj_env(pg_url: str, broker_url: str, prefix: str, *, result_backend: str | None = None,
+             **extra: str) -> dict[str, str]:
+    """The environment that points tests.proj at this test's services and tables.
+
+    The result backend is the broker (Redis) unless given (RabbitMQ needs one).
+    """
     env = dict(os.environ)
-    env.update(PROJ_BROKER_URL=redis_url, PROJ_RESULT_BACKEND=redis_url,
+    env.update(PROJ_BROKER_URL=broker_url, PROJ_RESULT_BACKEND=result_backend or broker_url,
                PROJ_DATABASE_URL=pg_url, PROJ_TABLE_PREFIX=prefix, PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 
 
-def client_app(pg_url: str, redis_url: str, prefix: str) -> Celery:
+def client_app(pg_url: str, broker_url: str, prefix: str, *,
+               result_backend: str | None = None) -> Celery:
     """An app that sends to the workers and reads their runs."""
-    client = Celery("proj-client", broker=redis_url, backend=redis_url, set_as_current=False)
+    client = Celery("proj-client", broker=broker_url, backend=result_backend or broker_url,
+                    set_as_current=False)
     client.conf.update(duraflow_database_url=pg_url, duraflow_table_prefix=prefix,
                        broker_connection_retry_on_startup=True)
     return client
@@ -95,11 +101,22 @@ def stop_process(process: subprocess.Popen[bytes]) -> None:
 
 
 def purge_queue(client: Celery, queue: str) -> None:
+    """Empty and delete ``queue`` on the client's broker (Redis or RabbitMQ)."""
     with client.connection_for_write() as conn:
-        Queue(queue, routing_key=queue)(conn.default_channel).purge()
-        # The Redis transport keeps the queue's bindings in sets of their own.
-        conn.default_channel.client.delete(f"_kombu.binding.{queue}",
-                                           f"_kombu.binding_permanent.{queue}")
+        delete_queue(conn, queue)
+
+
+def delete_queue(conn: Connection, queue: str) -> None:
+    """Delete ``queue`` and what the broker keeps for it, with any messages left in it."""
+    channel = conn.default_channel
+    if conn.transport.driver_type == "amqp":
+        # RabbitMQ: queue.delete, then the direct exchange Celery declared for the queue.
+        Queue(queue, routing_key=queue)(channel).delete()
+        Exchange(queue, type="direct")(channel).delete()
+        return
+    Queue(queue, routing_key=queue)(channel).purge()
+    # The Redis transport keeps the queue's bindings in sets of their own.
+    channel.client.delete(queue, f"_kombu.binding.{queue}", f"_kombu.binding_permanent.{queue}")
 
 
 def log_tail(log_path: Path, lines: int = 60) -> str:

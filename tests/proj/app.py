@@ -9,6 +9,8 @@
 * ``PROJ_LEASE_SECONDS``: ``duraflow_lease_seconds`` (default 30).
 * ``PROJ_EVENT_LOG``: a file the chaos task appends its events to (see :mod:`.chaos`).
 * ``PROJ_ETA_THRESHOLD``: ``duraflow_eta_threshold`` (default 60).
+* ``PROJ_CONSUMER_TIMEOUT``: the broker's ``consumer_timeout`` in seconds, told to the
+  library through ``broker_transport_options`` (RabbitMQ's is set on the server).
 * ``PROJ_DEFAULT_QUEUE``: ``task_default_queue``, for tasks that send other tasks
   (Task.replace, canvases) without naming a queue.
 """
@@ -52,6 +54,9 @@ app.conf.update(
     accept_content=["json"],
     result_expires=3600,
 )
+if os.environ.get("PROJ_CONSUMER_TIMEOUT"):
+    app.conf.broker_transport_options = {
+        "consumer_timeout": float(os.environ["PROJ_CONSUMER_TIMEOUT"])}
 if os.environ.get("PROJ_DEFAULT_QUEUE"):
     app.conf.task_default_queue = os.environ["PROJ_DEFAULT_QUEUE"]
 
