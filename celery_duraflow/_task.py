@@ -203,7 +203,6 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             # first attempt of some worker thread (the result is cached per code object).
             code_fingerprint(cls.run)
         install_signal_handlers()
-        install_telemetry()
         install_canvas_fixes(DurableTask)
 
     def delay_on_commit(self, *args: Any, **kwargs: Any) -> None:
@@ -745,3 +744,7 @@ def _seconds_until(when: Any) -> float:
         return max(0.0, float(when or 0))
     except (TypeError, ValueError):
         return 0.0
+
+
+# OpenTelemetry, when the otel extra is installed: on from the moment the library is imported.
+install_telemetry()

@@ -1,7 +1,7 @@
 """Switching OpenTelemetry on when the ``otel`` extra is installed, at no cost when it is not.
 
-Nothing here imports OpenTelemetry: :func:`install_telemetry` (called when the first
-DurableTask class is created) looks for the package without importing it, and only
+Nothing here imports OpenTelemetry: :func:`install_telemetry` (called when the library
+is imported) looks for the package without importing it, and only
 when it is there loads :mod:`celery_duraflow.contrib.opentelemetry`, which connects
 its receivers to the library's signals. OpenTelemetry's own switches keep it off:
 ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` naming ``celery_duraflow`` (a comma-separated

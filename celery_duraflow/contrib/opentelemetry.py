@@ -1,7 +1,7 @@
 """OpenTelemetry spans and metrics of durable runs: the ``otel`` extra.
 
 With ``opentelemetry-api`` installed this module is switched on by itself, when
-the first DurableTask class is created; ``OTEL_SDK_DISABLED=true``, or
+the library is imported; ``OTEL_SDK_DISABLED=true``, or
 ``celery_duraflow`` in ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS``, keeps it off.
 It connects receivers to the library's signals (:mod:`celery_duraflow.signals`)
 and turns them into
@@ -29,6 +29,7 @@ then makes no step spans at all.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import re
 import threading
 import time
@@ -43,7 +44,6 @@ from opentelemetry.metrics import Counter, Histogram, MeterProvider
 from opentelemetry.trace import Span, Status, StatusCode, Tracer, TracerProvider
 from opentelemetry.util.types import AttributeValue
 
-from .. import __version__
 from ..signals import (
     attempt_finished,
     attempt_started,
@@ -94,6 +94,14 @@ _CONTROL_FLOW = (Ignore, Reject, Retry)
 _OCCURRENCE = re.compile(r"#\d+")
 
 
+def _version() -> str:
+    # Not celery_duraflow.__version__: this module is loaded while the package imports.
+    try:
+        return importlib.metadata.version("celery-duraflow")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
 @functools.lru_cache(maxsize=4096)
 def step_name(step_key: str) -> str:
     """A step key without its occurrence numbers (``fetch#3/parse`` -> ``fetch/parse``): a
@@ -106,9 +114,9 @@ class _Instruments:
 
     def __init__(self, tracer_provider: TracerProvider | None,
                  meter_provider: MeterProvider | None) -> None:
-        self.tracer: Tracer = trace.get_tracer(SCOPE, __version__,
-                                               tracer_provider=tracer_provider)
-        meter = metrics.get_meter(SCOPE, __version__, meter_provider=meter_provider)
+        version = _version()
+        self.tracer: Tracer = trace.get_tracer(SCOPE, version, tracer_provider=tracer_provider)
+        meter = metrics.get_meter(SCOPE, version, meter_provider=meter_provider)
         self.steps_run: Counter = meter.create_counter(
             "duraflow.steps.run", unit="{step}",
             description="Step bodies run, by task, step name and outcome (completed, failed)")
@@ -446,7 +454,7 @@ def is_instrumented() -> bool:
 
 
 def auto_instrument() -> None:
-    """The automatic switch-on (when the first DurableTask class is created); leaves it
-    off after :func:`uninstrument` or when already on."""
+    """The automatic switch-on (when the library is imported); leaves it off after
+    :func:`uninstrument`, and does nothing when already on."""
     if _instruments is None and not _refused:
         instrument()
