@@ -103,6 +103,25 @@ class Cluster:
             return True
         return False
 
+    def start_with_sweeper(self) -> None:
+        """Two prefork workers, ready, and the recovery sweep running every second."""
+        self.start_worker(0)
+        self.start_worker(1)
+        self.wait_ready(2)
+        self.sweeper = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "recover",
+             "--interval", "1"], cwd=REPO_ROOT, env=self.env,
+            stdout=open(self.logs / "sweeper.log", "ab"),  # noqa: SIM115
+            stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill_and_restart(self) -> None:
+        """Kill one worker child; start a whole worker again if one died with it."""
+        self.kill_random_child()
+        for index, worker in enumerate(list(self.workers)):
+            if worker.poll() is not None:
+                self.workers.remove(worker)
+                self.start_worker(index)
+
     def wait_ready(self, count: int, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -250,14 +269,7 @@ def test_chaos_kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path) -> 
     """200 runs survive SIGKILLed children and a PostgreSQL outage: each done, charged once."""
     runs, kills = 200, 40
     with cluster(pg_url, broker, tmp_path, lease_seconds=3) as c:
-        c.start_worker(0)
-        c.start_worker(1)
-        c.wait_ready(2)
-        c.sweeper = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "recover",
-             "--interval", "1"], cwd=REPO_ROOT, env=c.env,
-            stdout=open(c.logs / "sweeper.log", "ab"),  # noqa: SIM115
-            stderr=subprocess.STDOUT, start_new_session=True)
+        c.start_with_sweeper()
         app = client_app(c, broker)
         task_ids = [str(uuid.uuid4()) for _ in range(runs)]
         for n, task_id in enumerate(task_ids):
@@ -278,11 +290,7 @@ def test_chaos_kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path) -> 
             # A kill every half second or so, 40 in all (about 20 s); a try that finds no
             # child (a pool is restarting one) does not count.
             while len(c.kills) < kills and time.monotonic() - started < 40:
-                c.kill_random_child()
-                for index, worker in enumerate(list(c.workers)):
-                    if worker.poll() is not None:  # a whole worker died: start another
-                        c.workers.remove(worker)
-                        c.start_worker(index)
+                c.kill_and_restart()
                 if not outage_thread.is_alive() and time.monotonic() - started > 8 and (
                         outage_thread.ident is None):
                     outage_thread.start()
@@ -321,25 +329,14 @@ def test_chaos_kills_atomic_steps_write_once(pg_url: str, redis_url: str,
     runs = 100
     broker = Broker("redis", redis_url, redis_url)
     with cluster(pg_url, broker, tmp_path, lease_seconds=3) as c:
-        c.start_worker(0)
-        c.start_worker(1)
-        c.wait_ready(2)
-        c.sweeper = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "recover",
-             "--interval", "1"], cwd=REPO_ROOT, env=c.env,
-            stdout=open(c.logs / "sweeper.log", "ab"),  # noqa: SIM115
-            stderr=subprocess.STDOUT, start_new_session=True)
+        c.start_with_sweeper()
         app = client_app(c, broker)
         task_ids = [str(uuid.uuid4()) for _ in range(runs)]
         for n, task_id in enumerate(task_ids):
             app.send_task("proj.chaos_ledger", args=(n,), task_id=task_id, queue=c.queue)
         started = time.monotonic()
         while len(c.kills) < 30 and time.monotonic() - started < 40:
-            c.kill_random_child()
-            for index, worker in enumerate(list(c.workers)):
-                if worker.poll() is not None:
-                    c.workers.remove(worker)
-                    c.start_worker(index)
+            c.kill_and_restart()
             time.sleep(random.uniform(0.3, 0.7))
 
         statuses = wait_for_runs(c, runs, timeout=100)

@@ -44,6 +44,7 @@ from tests.workers import (
     purge_queue,
     start_worker_process,
     stop_process,
+    wait_for_run,
 )
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.subprocess]
@@ -149,15 +150,7 @@ class Project:
         return self.client.send_task(name, args=args, queue=self.queue)
 
     def until(self, task_id: str, status: str, timeout: float = 30.0) -> RunView:
-        deadline = time.monotonic() + timeout
-        run = None
-        while time.monotonic() < deadline:
-            run = get_run(task_id, app=self.client)
-            if run is not None and run.status == status:
-                return run
-            time.sleep(0.05)
-        raise AssertionError(f"run {task_id} is {run.status if run else 'unknown'}, not "
-                             f"{status}\n{log_tail(self.log_path)}")
+        return wait_for_run(self.client, task_id, status, self.log_path, timeout)
 
     def closed_channels(self) -> list[str]:
         text = self.log_path.read_text(errors="replace")

@@ -17,6 +17,8 @@ from pathlib import Path
 from celery import Celery
 from kombu import Connection, Exchange, Queue
 
+from celery_duraflow import RunView, get_run
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 15.0
@@ -125,3 +127,17 @@ def log_tail(log_path: Path, lines: int = 60) -> str:
     except OSError as exc:
         return f"(no worker log: {exc})"
     return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_for_run(client: Celery, task_id: str, status: str, log_path: Path,
+                 timeout: float = 30.0) -> RunView:
+    """The run once it has ``status``; AssertionError with the worker log's end otherwise."""
+    deadline = time.monotonic() + timeout
+    run = None
+    while time.monotonic() < deadline:
+        run = get_run(task_id, app=client)
+        if run is not None and run.status == status:
+            return run
+        time.sleep(0.05)
+    raise AssertionError(f"run {task_id} is {run.status if run else 'unknown'}, not "
+                         f"{status}\n{log_tail(log_path)}")
