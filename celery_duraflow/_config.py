@@ -39,8 +39,15 @@ _ALIAS_WATCH_ATTR = "_duraflow_alias_watch"
 KNOWN_KEYS = (
     "accept_serializers", "auto_migrate", "database", "database_url", "engine_options",
     "eta_threshold", "lease_seconds", "max_recoveries", "on_code_change", "on_divergence",
-    "serializer", "store_outage_timeout", "table_prefix",
+    "pooler", "serializer", "store_outage_timeout", "table_prefix",
 )
+# What stands between the workers and PostgreSQL (``duraflow_pooler``): "auto" finds out
+# at each new connection; "none" (or "session", a session pooler: one server connection
+# per client connection) keeps server-side prepared statements; "transaction" (PgBouncer's
+# transaction pooling, where consecutive transactions of one client may run on different
+# server connections) turns them off. Statement pooling cannot work: migrations and
+# atomic steps need transactions of several statements.
+POOLERS = ("auto", "none", "session", "transaction")
 # Environment variables the library reads besides the settings (the web view's token),
 # and prefixes left to test suites and benchmarks (this project's own use them).
 _OTHER_ENVIRONMENT = ("DURAFLOW_WEB_TOKEN",)
@@ -72,6 +79,19 @@ class Config:
     # The Django database alias the store's URL was built from (``duraflow_database``,
     # or ``default`` for a Django project's app); None when the URL was given as one.
     django_alias: str | None = None
+    pooler: str = "auto"
+
+
+def _pooler(value: Any) -> str:
+    if value is None:
+        return "auto"
+    if isinstance(value, str) and value.strip().lower() in POOLERS:
+        return value.strip().lower()
+    raise ConfigurationError(
+        f"duraflow_pooler must be one of {', '.join(repr(p) for p in POOLERS)}, got {value!r}: "
+        "'transaction' when PostgreSQL is reached through PgBouncer in transaction "
+        "pooling mode, 'none' for a direct connection or a session pooler, "
+        "'auto' to let the store find out.")
 
 
 def _as_count(value: Any, key: str, default: int) -> int:
@@ -283,6 +303,7 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None, *,
         max_recoveries=_as_count(_setting(conf, "max_recoveries", env),
                                  "duraflow_max_recoveries", DEFAULT_MAX_RECOVERIES),
         django_alias=alias,
+        pooler=_pooler(_setting(conf, "pooler", env)),
     )
 
 

@@ -221,6 +221,47 @@ def _postgres_engine_events(engine: Engine) -> None:
             raise DisconnectionError(problem)
 
 
+def _pooler_events(engine: Engine, database: Database) -> None:
+    """Find out, at each new connection, whether a transaction pooler stands in between.
+
+    Behind PgBouncer in transaction pooling mode consecutive transactions of one
+    client connection may run on different server connections, so a statement
+    prepared on the server (psycopg prepares a query it has run five times; the
+    step records are prepared by :meth:`Database._write_raw`) may be missing,
+    or already there under the same name, on the next one. A pooler answers
+    from a port of its own: when the server says it listens on another port
+    than the one connected to, prepared statements are turned off for good.
+    A proxy that only forwards (a container's published port) is taken for a
+    pooler too, which costs a few microseconds per statement and nothing else;
+    ``duraflow_pooler = "none"`` says there is none.
+    """
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        if database.transaction_pooled:
+            dbapi_conn.prepare_threshold = None
+            return
+        info = dbapi_conn.info
+        if not info.host or info.host.startswith("/"):
+            return  # a Unix socket: nothing to compare; say "transaction" if a pooler is there
+        with dbapi_conn.cursor() as cursor:
+            cursor.execute("SELECT inet_server_port()")
+            row = cursor.fetchone()
+        if info.transaction_status != pq.TransactionStatus.IDLE:
+            dbapi_conn.rollback()
+        server_port = row[0] if row else None
+        if server_port is not None and int(server_port) == int(info.port):
+            return
+        database.transaction_pooled = True
+        dbapi_conn.prepare_threshold = None
+        logger.info(
+            "celery-duraflow: connected to port %s, but the PostgreSQL server listens on %s: "
+            "a connection pooler is assumed in between, and server-side prepared statements "
+            "are off. Set duraflow_pooler = 'transaction' to say so, or 'none' if the "
+            "connection is direct.", info.port, server_port if server_port is not None
+            else "a Unix socket")
+
+
 class Database:
     """The engine, connections and schema of one store configuration."""
 
@@ -239,6 +280,9 @@ class Database:
         self.insert_rowcount = postgres
         self.driver_statements = postgres
         self.asynchronous_commit = postgres
+        # Behind a transaction pooler nothing may be prepared on the server (see
+        # _pooler_events): configured, or found at the first connection.
+        self.transaction_pooled = postgres and config.pooler == "transaction"
         self._engine: Engine | None = None
         self._engine_pid: int | None = None
         self._schema_ready = False
@@ -291,6 +335,8 @@ class Database:
             _sqlite_engine_events(engine)
         elif self.dialect == "postgresql" and url.get_driver_name() == "psycopg":
             _postgres_engine_events(engine)
+            if self.config.pooler in ("auto", "transaction"):
+                _pooler_events(engine, self)
         _atomic.guard_engine(engine)
         return engine
 
@@ -506,7 +552,7 @@ class Database:
             try:
                 conn = self._held_conn()
                 if conn is not None:
-                    if prepared.raw_name:
+                    if prepared.raw_name and not self.transaction_pooled:
                         return self._write_raw(prepared, params)
                     cursor = self._held.cursor
                     cursor.execute(prepared.sql, {**(prepared.defaults or {}), **params})

@@ -4,7 +4,7 @@ All tables share the configurable prefix (``duraflow_`` by default). The
 migrations below are append-only: a release never edits an applied step, it
 adds the next number. Each one runs in its own transaction and is recorded in
 ``<prefix>schema``; :func:`migrate` serializes concurrent callers with a
-PostgreSQL advisory lock (SQLite: ``BEGIN IMMEDIATE``), so a fleet of workers
+transaction-level PostgreSQL advisory lock (SQLite: ``BEGIN IMMEDIATE``), so a fleet of workers
 starting at once applies each step exactly once.
 
 An empty database skips the migrations: :func:`migrate` creates the current tables
@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import functools
 import zlib
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -523,33 +522,34 @@ def migrate(engine: Engine, tables: Tables, prefix: str) -> list[int]:
     version is left alone, both in one transaction (:func:`_create_or_check`); one
     with an older schema takes the numbered migrations it lacks, one by one.
     """
-    with _migration_lock(engine, prefix) as conn:
+    with engine.connect() as conn:
+        if conn.dialect.name == "postgresql":
+            # Real transactions, whatever the engine's default: the lock lasts as long
+            # as the transaction it is taken in (see _lock).
+            conn.execution_options(isolation_level="READ COMMITTED")
         done = _create_or_check(conn, tables)
         if done is not None:
             return done
         return _apply_migrations(conn, tables)
 
 
-@contextmanager
-def _migration_lock(engine: Engine, prefix: str) -> Iterator[Connection]:
-    """A connection that holds, on PostgreSQL, the prefix's advisory lock.
+def _lock(conn: Connection, tables: Tables) -> None:
+    """Queue, on PostgreSQL, behind every other migrating caller of the tables' prefix.
 
-    Every migrating caller of a prefix queues here, so the version a caller reads
-    cannot change before it has applied the next one. SQLite has no such lock
-    across transactions: there each transaction begins with BEGIN IMMEDIATE, and
-    every decision is taken again inside the transaction that acts on it.
+    The lock is the transaction's own (``pg_advisory_xact_lock``): it is taken
+    as the first statement of each migrating transaction and let go by its
+    commit or rollback, so the version a caller reads cannot change before
+    that transaction has applied the next one. A session lock taken and freed
+    in separate transactions would not survive a transaction pooler, which
+    may run them on different server connections and leave the lock held for
+    good on one of them. SQLite has no such lock: there each transaction
+    begins with BEGIN IMMEDIATE, and takes its decisions again inside.
     """
-    postgres = engine.dialect.name == "postgresql"
-    with engine.connect() as conn:
-        if postgres:
-            conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": _lock_key(prefix)})
-            conn.commit()
-        try:
-            yield conn
-        finally:
-            if postgres:
-                conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": _lock_key(prefix)})
-                conn.commit()
+    if conn.dialect.name == "postgresql":
+        # The key of earlier releases, which held it for the session: during an upgrade
+        # old and new workers still queue behind each other.
+        prefix = tables.schema_version.name.removesuffix("schema")
+        conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _lock_key(prefix)})
 
 
 def _create_or_check(conn: Connection, tables: Tables) -> list[int] | None:
@@ -572,6 +572,7 @@ def _create_or_check(conn: Connection, tables: Tables) -> list[int] | None:
     and creates nothing (on PostgreSQL the advisory lock already queues them).
     """
     with conn.begin():
+        _lock(conn, tables)
         version = current_version(conn, tables)
         if version >= LATEST_VERSION:
             return []
@@ -597,6 +598,7 @@ def _apply_migrations(conn: Connection, tables: Tables) -> list[int]:
         # On SQLite the store's engine begins with BEGIN IMMEDIATE, which takes the
         # write lock at once: two processes cannot both find a version missing.
         with conn.begin():
+            _lock(conn, tables)
             tables.schema_version.create(conn, checkfirst=True)
             if current_version(conn, tables) >= version:
                 continue

@@ -5,7 +5,10 @@ Services come from the environment:
 * ``DURAFLOW_TEST_DATABASE_URL``: PostgreSQL (default: the local ``test`` database);
 * ``DURAFLOW_TEST_BROKER_URL``: Redis (default: database 9 on the local server);
 * ``DURAFLOW_TEST_RABBITMQ_URL``: RabbitMQ (default: the local server's ``/`` vhost),
-  for the delivery tests that run on both brokers (see :func:`broker`).
+  for the delivery tests that run on both brokers (see :func:`broker`);
+* ``DURAFLOW_TEST_PGBOUNCER_URL``: the same PostgreSQL database through PgBouncer in
+  transaction pooling mode (default: port 6432, as ``.ci/pgbouncer.sh`` starts it), for
+  the store tests of modules marked ``pooled`` (see :func:`database_url`).
 
 A test that needs one of them is skipped with the reason when it is
 unreachable, unless ``DURAFLOW_REQUIRE_SERVICES=1`` (as in CI), where that is a
@@ -36,6 +39,7 @@ pytest_plugins = ("celery.contrib.pytest",)
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/9"
 DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
+DEFAULT_PGBOUNCER_URL = "postgresql+psycopg://postgres@127.0.0.1:6432/test"
 
 REQUIRE_SERVICES = os.environ.get("DURAFLOW_REQUIRE_SERVICES") == "1"
 
@@ -57,6 +61,22 @@ def pg_url() -> str:
             conn.execute(text("SELECT 1"))
     except Exception as exc:
         _unavailable("PostgreSQL", url, exc)
+    finally:
+        engine.dispose()
+    return url
+
+
+@pytest.fixture(scope="session")
+def pgbouncer_url() -> str:
+    """URL of the test database through a reachable PgBouncer (transaction pooling)."""
+    url = os.environ.get("DURAFLOW_TEST_PGBOUNCER_URL", DEFAULT_PGBOUNCER_URL)
+    # No prepared statement of psycopg's own: this engine only checks the pooler answers.
+    engine = create_engine(url, connect_args={"prepare_threshold": None})
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        _unavailable("PgBouncer (start it with .ci/pgbouncer.sh)", url, exc)
     finally:
         engine.dispose()
     return url
@@ -161,18 +181,38 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'duraflow.sqlite3'}"
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres),
+                        pytest.param("pgbouncer", marks=pytest.mark.postgres)])
 def database_url(request: pytest.FixtureRequest, table_prefix: str,
                  tmp_path: Path) -> Iterator[str]:
-    """Each test that uses it runs once on SQLite and once on PostgreSQL."""
+    """Each test that uses it runs once on SQLite and once on PostgreSQL; in a module
+    marked ``pooled`` (the store's own tests) a third time through PgBouncer."""
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'duraflow.sqlite3'}"
         close_all_stores()
         return
-    url: str = request.getfixturevalue("pg_url")
+    direct: str = request.getfixturevalue("pg_url")
+    url: str = (request.getfixturevalue("pgbouncer_url") if request.param == "pgbouncer"
+                else direct)
     yield url
     close_all_stores()
-    drop_tables(url, table_prefix)
+    drop_tables(direct, table_prefix)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the PgBouncer variant of ``database_url`` to the modules marked ``pooled``."""
+    kept, dropped = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        through_pooler = (callspec is not None
+                          and callspec.params.get("database_url") == "pgbouncer")
+        if through_pooler and item.get_closest_marker("pooled") is None:
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 def app_factory(database_url: str, table_prefix: str) -> Callable[..., Celery]:

@@ -27,6 +27,9 @@ from celery_duraflow._config import config_for_app
 from celery_duraflow._store import close_all_stores, store_for
 from tests.conftest import app_factory
 
+# The store's own tests: on PostgreSQL also through PgBouncer (transaction pooling).
+pytestmark = pytest.mark.pooled
+
 
 class Flaky(Exception):
     """Raised by test bodies to make Celery retry the task."""

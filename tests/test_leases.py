@@ -31,6 +31,9 @@ from celery_duraflow._serialization import encode_arguments, get_serializer
 from celery_duraflow._store import Delivery, Store, store_for
 from tests.conftest import run_worker
 
+# The store's own tests: on PostgreSQL also through PgBouncer (transaction pooling).
+pytestmark = pytest.mark.pooled
+
 
 def _store(app: Celery) -> Store:
     return store_for(config_for_app(app))

@@ -25,6 +25,9 @@ from celery_duraflow._schema import LATEST_VERSION, build_tables
 from celery_duraflow._store import Delivery, Store, store_for
 from tests.conftest import app_factory, drop_tables
 
+# The store's own tests: on PostgreSQL also through PgBouncer (transaction pooling).
+pytestmark = pytest.mark.pooled
+
 
 @contextmanager
 def count_statements(store: Store) -> Iterator[list[str]]:

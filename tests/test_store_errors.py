@@ -29,6 +29,9 @@ from celery_duraflow._schema import LATEST_VERSION
 from celery_duraflow._store import close_all_stores
 from tests.conftest import app_factory, run_worker
 
+# The store's own tests: on PostgreSQL also through PgBouncer (transaction pooling).
+pytestmark = pytest.mark.pooled
+
 # Nothing listens on port 1 of the loopback interface: every connection is refused.
 REFUSED_URL = "postgresql+psycopg://postgres@127.0.0.1:1/test"
 
