@@ -42,7 +42,7 @@ from sqlalchemy.exc import (
     TimeoutError as PoolTimeoutError,
 )
 
-from . import _atomic
+from . import _atomic, _clock
 from ._schema import LATEST_VERSION, Tables, build_tables, current_version, migrate
 from .errors import ConfigurationError, StoreMisconfigured, StoreUnavailable
 
@@ -221,18 +221,45 @@ def _postgres_engine_events(engine: Engine) -> None:
             raise DisconnectionError(problem)
 
 
-def _pooler_events(engine: Engine, database: Database) -> None:
-    """Find out, at each new connection, whether a transaction pooler stands in between.
+def _server_port_and_clock(dbapi_conn: Any) -> tuple[int | None, float]:
+    """The port the server says it listens on (None on a Unix socket) and its clock, as
+    seconds since the epoch, in one round trip; the clock's offset measured on the way."""
+    row: Any = None
 
-    Behind PgBouncer in transaction pooling mode consecutive transactions of one
-    client connection may run on different server connections, so a statement
-    prepared on the server (psycopg prepares a query it has run five times; the
-    step records are prepared by :meth:`Database._write_raw`) may be missing,
-    or already there under the same name, on the next one. A pooler answers
-    from a port of its own: when the server says it listens on another port
-    than the one connected to, prepared statements are turned off for good.
-    A proxy that only forwards (a container's published port) is taken for a
-    pooler too, which costs a few microseconds per statement and nothing else;
+    def server_epoch() -> float:
+        nonlocal row
+        with dbapi_conn.cursor() as cursor:
+            cursor.execute("SELECT inet_server_port(), "
+                           "extract(epoch FROM clock_timestamp())::float8")
+            row = cursor.fetchone()
+        return float(row[1])
+
+    _clock.measure(server_epoch)
+    if dbapi_conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        dbapi_conn.rollback()  # the engine's connections autocommit; a user's may not
+    return (None if row[0] is None else int(row[0])), float(row[1])
+
+
+def _measure_clock(dbapi_conn: Any) -> None:
+    """Measure the clock's offset again on a connection outside any transaction."""
+    if dbapi_conn.info.transaction_status == pq.TransactionStatus.IDLE:
+        _server_port_and_clock(dbapi_conn)
+
+
+def _connect_events(engine: Engine, database: Database) -> None:
+    """At each new connection, measure the server's clock, and find out whether a
+    transaction pooler stands in between (one round trip for both).
+
+    The clock: see :mod:`celery_duraflow._clock`. The pooler: behind PgBouncer in
+    transaction pooling mode consecutive transactions of one client connection
+    may run on different server connections, so a statement prepared on the
+    server (psycopg prepares a query it has run five times; the step records
+    are prepared by :meth:`Database._write_raw`) may be missing, or already
+    there under the same name, on the next one. A pooler answers from a port of
+    its own: when the server says it listens on another port than the one
+    connected to, prepared statements are turned off for good. A proxy that
+    only forwards (a container's published port) is taken for a pooler too,
+    which costs a few microseconds per statement and nothing else;
     ``duraflow_pooler = "none"`` says there is none.
     """
 
@@ -240,17 +267,12 @@ def _pooler_events(engine: Engine, database: Database) -> None:
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         if database.transaction_pooled:
             dbapi_conn.prepare_threshold = None
-            return
+        server_port, _server_clock = _server_port_and_clock(dbapi_conn)
         info = dbapi_conn.info
-        if not info.host or info.host.startswith("/"):
-            return  # a Unix socket: nothing to compare; say "transaction" if a pooler is there
-        with dbapi_conn.cursor() as cursor:
-            cursor.execute("SELECT inet_server_port()")
-            row = cursor.fetchone()
-        if info.transaction_status != pq.TransactionStatus.IDLE:
-            dbapi_conn.rollback()
-        server_port = row[0] if row else None
-        if server_port is not None and int(server_port) == int(info.port):
+        if (database.transaction_pooled or database.config.pooler != "auto"
+                or not info.host or info.host.startswith("/")):
+            return  # decided, or a Unix socket: nothing to compare
+        if server_port is not None and server_port == int(info.port):
             return
         database.transaction_pooled = True
         dbapi_conn.prepare_threshold = None
@@ -289,6 +311,8 @@ class Database:
         self._lock = threading.Lock()
         # The connection a thread holds for the attempt it is running (see held_connection).
         self._held = threading.local()
+        if postgres and config.database_url.get_driver_name() == "psycopg":
+            _clock.measure_first_with(self.measure_clock)
 
     # -- engine and schema ---------------------------------------------------------------
 
@@ -335,8 +359,7 @@ class Database:
             _sqlite_engine_events(engine)
         elif self.dialect == "postgresql" and url.get_driver_name() == "psycopg":
             _postgres_engine_events(engine)
-            if self.config.pooler in ("auto", "transaction"):
-                _pooler_events(engine, self)
+            _connect_events(engine, self)
         _atomic.guard_engine(engine)
         return engine
 
@@ -345,6 +368,11 @@ class Database:
         if self.dialect == "postgresql":
             return self.engine.execution_options(isolation_level="READ COMMITTED")
         return self.engine
+
+    def measure_clock(self) -> None:
+        """Measure the database server's clock against this host's (see ``_clock``)."""
+        with self.engine.connect() as conn:
+            _server_port_and_clock(conn.connection.driver_connection)
 
     def dispose_after_fork(self) -> None:
         """Drop connections inherited from a parent process without closing them."""
@@ -513,6 +541,8 @@ class Database:
         conn: Connection | None = getattr(held, "conn", None)
         if (conn is not None and held.engine is self._engine and held.pid == os.getpid()
                 and _hung_up(held.driver) is None):
+            if _clock.due():  # at most once a minute: the database's clock, measured again
+                _measure_clock(held.driver)
             return conn  # the usual case, checked like a pool checkout, in a select()
         engine = self.engine
         if conn is not None and held.pid != os.getpid():

@@ -13,11 +13,14 @@
   library through ``broker_transport_options`` (RabbitMQ's is set on the server).
 * ``PROJ_DEFAULT_QUEUE``: ``task_default_queue``, for tasks that send other tasks
   (Task.replace, canvases) without naming a queue.
+* ``PROJ_CLOCK_SHIFT``: seconds added to ``time.time()`` in every process of the
+  worker: a host whose clock is that far ahead (negative: behind).
 """
 
 from __future__ import annotations
 
 import os
+import time
 
 from celery import Celery
 from celery.signals import worker_init, worker_process_init
@@ -30,6 +33,11 @@ def _required(name: str) -> str:
     return value
 
 
+if os.environ.get("PROJ_CLOCK_SHIFT"):
+    _shift = float(os.environ["PROJ_CLOCK_SHIFT"])
+    _host_time = time.time
+    time.time = lambda: _host_time() + _shift
+
 BROKER_URL = _required("PROJ_BROKER_URL")
 RESULT_BACKEND = os.environ.get("PROJ_RESULT_BACKEND") or BROKER_URL
 DATABASE_URL = _required("PROJ_DATABASE_URL")
@@ -37,7 +45,8 @@ TABLE_PREFIX = os.environ.get("PROJ_TABLE_PREFIX") or "proj_"
 
 app = Celery("proj", broker=BROKER_URL, backend=RESULT_BACKEND,
              include=[f"{__package__}.tasks", f"{__package__}.chaos", f"{__package__}.waits",
-                      f"{__package__}.citizen", f"{__package__}.replay"])
+                      f"{__package__}.citizen", f"{__package__}.replay",
+                      f"{__package__}.clocks"])
 app.conf.update(
     duraflow_database_url=DATABASE_URL,
     duraflow_table_prefix=TABLE_PREFIX,
