@@ -6,7 +6,8 @@ shows that no row was ever written twice.
 
 The tests run real ``celery worker`` processes (prefork) on PostgreSQL and a
 broker (the main chaos test and the duplicate-delivery test once on Redis and
-once on RabbitMQ, the atomic one on Redis) with the instrumented task
+once on RabbitMQ, the main one a third time on Redis with the workers' store
+behind PgBouncer, the atomic one on Redis) with the instrumented task
 :func:`tests.proj.chaos.chaos_trip`, whose step bodies log ``start``/``end``
 events to a file. The checks read that file and the database:
 
@@ -165,13 +166,16 @@ class Cluster:
 
 @contextmanager
 def cluster(pg_url: str, broker: Broker, tmp_path: Path, *,
-            lease_seconds: float) -> Iterator[Cluster]:
+            lease_seconds: float, workers_url: str | None = None) -> Iterator[Cluster]:
+    """Workers on ``broker`` and PostgreSQL (reached at ``workers_url`` when given: through
+    PgBouncer), with tables and a queue of their own."""
     prefix = f"c{uuid.uuid4().hex[:8]}_"
     queue = f"chaos-{uuid.uuid4().hex[:8]}"
     logs = tmp_path / "logs"
     logs.mkdir()
     env = {**os.environ, "PROJ_BROKER_URL": broker.url,
-           "PROJ_RESULT_BACKEND": broker.result_backend, "PROJ_DATABASE_URL": pg_url,
+           "PROJ_RESULT_BACKEND": broker.result_backend,
+           "PROJ_DATABASE_URL": workers_url or pg_url,
            "PROJ_TABLE_PREFIX": prefix, "PROJ_LEASE_SECONDS": str(lease_seconds),
            "PROJ_EVENT_LOG": str(tmp_path / "events.log")}
     c = Cluster(env=env, queue=queue, prefix=prefix, database_url=pg_url,
@@ -267,8 +271,22 @@ def wait_for_runs(c: Cluster, count: int, timeout: float) -> dict[str, int]:
 @pytest.mark.chaos
 def test_chaos_kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path) -> None:
     """200 runs survive SIGKILLed children and a PostgreSQL outage: each done, charged once."""
+    _kills_and_outage(pg_url, broker, tmp_path)
+
+
+@pytest.mark.chaos
+def test_chaos_through_pgbouncer(pg_url: str, pgbouncer_url: str, redis_url: str,
+                                 tmp_path: Path) -> None:
+    """The same 200 runs, kills and outage with the workers' store behind PgBouncer in
+    transaction pooling mode: each done, charged once."""
+    _kills_and_outage(pg_url, Broker("redis", redis_url, redis_url), tmp_path,
+                      workers_url=pgbouncer_url)
+
+
+def _kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path, *,
+                      workers_url: str | None = None) -> None:
     runs, kills = 200, 40
-    with cluster(pg_url, broker, tmp_path, lease_seconds=3) as c:
+    with cluster(pg_url, broker, tmp_path, lease_seconds=3, workers_url=workers_url) as c:
         c.start_with_sweeper()
         app = client_app(c, broker)
         task_ids = [str(uuid.uuid4()) for _ in range(runs)]
@@ -313,7 +331,8 @@ def test_chaos_kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path) -> 
         problems, duplicates, in_doubt = check_executions(c, executions)
         recoveries = int(str(c.sql(f'SELECT sum(recoveries) FROM "{c.prefix}runs"')[0][0]))
         redeliveries = len(deliveries) - len(set(deliveries))
-        print(f"\nchaos: broker={broker.name} runs={runs} kills={len(c.kills)} "
+        route = "pgbouncer" if workers_url else "direct"
+        print(f"\nchaos: broker={broker.name} store={route} runs={runs} kills={len(c.kills)} "
               f"redeliveries={redeliveries} "
               f"in-doubt re-runs={in_doubt} sweep recoveries={recoveries} "
               f"duplicates={duplicates}")
