@@ -6,8 +6,8 @@ shows that no row was ever written twice.
 
 The tests run real ``celery worker`` processes (prefork) on PostgreSQL and a
 broker (the main chaos test and the duplicate-delivery test once on Redis and
-once on RabbitMQ, the main one a third time on Redis with the workers' store
-behind PgBouncer, the atomic one on Redis) with the instrumented task
+once on RabbitMQ, where the main one's workers reach PostgreSQL through
+PgBouncer; the atomic one on Redis) with the instrumented task
 :func:`tests.proj.chaos.chaos_trip`, whose step bodies log ``start``/``end``
 events to a file. The checks read that file and the database:
 
@@ -269,18 +269,14 @@ def wait_for_runs(c: Cluster, count: int, timeout: float) -> dict[str, int]:
 
 
 @pytest.mark.chaos
-def test_chaos_kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path) -> None:
-    """200 runs survive SIGKILLed children and a PostgreSQL outage: each done, charged once."""
-    _kills_and_outage(pg_url, broker, tmp_path)
-
-
-@pytest.mark.chaos
-def test_chaos_through_pgbouncer(pg_url: str, pgbouncer_url: str, redis_url: str,
-                                 tmp_path: Path) -> None:
-    """The same 200 runs, kills and outage with the workers' store behind PgBouncer in
-    transaction pooling mode: each done, charged once."""
-    _kills_and_outage(pg_url, Broker("redis", redis_url, redis_url), tmp_path,
-                      workers_url=pgbouncer_url)
+def test_chaos_kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path,
+                                request: pytest.FixtureRequest) -> None:
+    """200 runs survive SIGKILLed children and a PostgreSQL outage: each done, charged once.
+    On Redis the workers reach PostgreSQL directly, on RabbitMQ through PgBouncer in
+    transaction pooling mode."""
+    workers_url = (request.getfixturevalue("pgbouncer_url") if broker.name == "rabbitmq"
+                   else None)
+    _kills_and_outage(pg_url, broker, tmp_path, workers_url=workers_url)
 
 
 def _kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path, *,
