@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import django
 from sqlalchemy.engine import make_url
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -70,7 +71,14 @@ def database_from_url(url: str) -> dict[str, Any]:
         if not parsed.database or parsed.database == ":memory:":
             raise ValueError(f"{url}: give the SQLite database a file, such as "
                              "sqlite:///shop.sqlite3")
-        return {"ENGINE": "django.db.backends.sqlite3", "NAME": parsed.database}
+        entry: dict[str, Any] = {"ENGINE": "django.db.backends.sqlite3", "NAME": parsed.database}
+        if django.VERSION >= (5, 1):
+            # Django's transactions on SQLite begin DEFERRED: one that reads, then writes
+            # (get_or_create) fails at once with "database is locked" when another
+            # connection (the store's lease heartbeat, say) wrote in between. IMMEDIATE
+            # takes the write lock first and waits for it instead.
+            entry["OPTIONS"] = {"transaction_mode": "IMMEDIATE", "timeout": 20}
+        return entry
     if backend == "postgresql":
         return {
             "ENGINE": "django.db.backends.postgresql",
