@@ -8,6 +8,10 @@
 # consecutive transactions of one client to different server connections, so anything
 # that relies on session state between transactions (a session advisory lock, a
 # prepared statement, a SET) fails here instead of by chance in production.
+#
+# Every database name goes to the local server, except duraflow_outage: the private
+# cluster on port 5439 that the outage tests create, stop and start (tests/conftest.py).
+# When PgBouncer already runs, the configuration is written again and reloaded.
 set -euo pipefail
 
 PORT=${PGBOUNCER_PORT:-6432}
@@ -15,10 +19,6 @@ PG_HOST=${PG_HOST:-127.0.0.1}
 PG_PORT=${PG_PORT:-5432}
 DIR=${PGBOUNCER_DIR:-/var/run/duraflow-pgbouncer}
 
-if pg_isready -q -h 127.0.0.1 -p "$PORT" 2>/dev/null; then
-    echo "PgBouncer already answers on port $PORT"
-    exit 0
-fi
 if ! [ -x /usr/sbin/pgbouncer ]; then
     echo "pgbouncer is missing; installing it"
     export DEBIAN_FRONTEND=noninteractive
@@ -28,6 +28,7 @@ fi
 mkdir -p "$DIR"
 cat > "$DIR/pgbouncer.ini" <<INI
 [databases]
+duraflow_outage = host=127.0.0.1 port=5439 dbname=postgres
 * = host=$PG_HOST port=$PG_PORT
 
 [pgbouncer]
@@ -48,6 +49,11 @@ INI
 printf '"postgres" ""\n' > "$DIR/userlist.txt"
 chown -R postgres:postgres "$DIR"
 
+if pg_isready -q -h 127.0.0.1 -p "$PORT" 2>/dev/null && [ -f "$DIR/pgbouncer.pid" ]; then
+    echo "PgBouncer already answers on port $PORT; reloading its configuration"
+    kill -HUP "$(cat "$DIR/pgbouncer.pid")"
+    exit 0
+fi
 su postgres -s /bin/sh -c "/usr/sbin/pgbouncer -d '$DIR/pgbouncer.ini'"
 for _ in $(seq 1 30); do
     pg_isready -q -h 127.0.0.1 -p "$PORT" && break

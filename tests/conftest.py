@@ -293,42 +293,85 @@ def _prompt_shutdown() -> Iterator[None]:
         Connection.drain_events = drain  # type: ignore[method-assign]
 
 
-def _pg_cluster() -> list[str]:
-    versions = sorted(os.listdir("/etc/postgresql"))
-    return [versions[-1], "main"]
+# The private cluster the outage tests stop and start: never the shared server, whose
+# other databases (and other test runs) would go down with it.
+OUTAGE_CLUSTER = "duraflow_outage"
+OUTAGE_PORT = 5439
+# PgBouncer's name for that cluster's database (see .ci/pgbouncer.sh).
+OUTAGE_POOLED_DATABASE = "duraflow_outage"
 
 
-def _pg_ready(timeout: float) -> bool:
-    import subprocess
-    import time
+@dataclass(frozen=True)
+class OutageServer:
+    """A PostgreSQL cluster of the test session's own, which the outage tests may stop."""
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", "5432"],
-                          check=False).returncode == 0:
-            return True
-        time.sleep(0.2)
-    return False
+    version: str
+    url: str
+    # The same database through PgBouncer (transaction pooling).
+    pgbouncer_url: str
+
+    def _ctl(self, action: str, *options: str, check: bool = True) -> None:
+        import subprocess
+
+        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", self.version,
+                        OUTAGE_CLUSTER, action, *options], check=check, capture_output=True)
+
+    def ready(self, timeout: float) -> bool:
+        import subprocess
+        import time
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", str(OUTAGE_PORT)],
+                              check=False).returncode == 0:
+                return True
+            time.sleep(0.2)
+        return False
+
+    @contextmanager
+    def stopped(self) -> Iterator[None]:
+        """Stop the cluster for the duration of the block; always start it again."""
+        self._ctl("stop", "-m", "fast")
+        try:
+            yield
+        finally:
+            self._ctl("start", check=False)
+            if not self.ready(60):
+                pytest.fail("PostgreSQL did not come back after the outage", pytrace=False)
 
 
-@contextmanager
-def postgres_stopped() -> Iterator[None]:
-    """Stop the local PostgreSQL server for the duration of the block; always restart it."""
+@pytest.fixture(scope="session")
+def outage_pg() -> Iterator[OutageServer]:
+    """A private PostgreSQL cluster on port 5439 (``pg_createcluster``), created for the
+    session and dropped after it, for the tests that stop PostgreSQL."""
     import shutil
     import subprocess
 
-    if shutil.which("pg_ctlcluster") is None or not os.path.isdir("/etc/postgresql"):
-        pytest.skip("needs a local PostgreSQL cluster managed by pg_ctlcluster")
-    cluster = _pg_cluster()
-    subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "stop",
-                    "-m", "fast"], check=True, capture_output=True)
+    if shutil.which("pg_createcluster") is None or not os.path.isdir("/etc/postgresql"):
+        _unavailable("a private PostgreSQL cluster (pg_createcluster)", f"port {OUTAGE_PORT}",
+                     RuntimeError("needs Debian's postgresql-common and a server"))
+    version = sorted(os.listdir("/etc/postgresql"))[-1]
+    server = OutageServer(
+        version=version,
+        url=f"postgresql+psycopg://postgres@127.0.0.1:{OUTAGE_PORT}/postgres",
+        pgbouncer_url=os.environ.get("DURAFLOW_TEST_PGBOUNCER_URL", DEFAULT_PGBOUNCER_URL
+                                     ).rsplit("/", 1)[0] + f"/{OUTAGE_POOLED_DATABASE}")
+    if not os.path.isdir(f"/etc/postgresql/{version}/{OUTAGE_CLUSTER}"):
+        created = subprocess.run(
+            ["pg_createcluster", version, OUTAGE_CLUSTER, "-p", str(OUTAGE_PORT),
+             "--", "--auth=trust"], check=False, capture_output=True, text=True)
+        if created.returncode != 0:
+            _unavailable("a private PostgreSQL cluster (pg_createcluster)",
+                         f"port {OUTAGE_PORT}", RuntimeError(created.stderr.strip()))
+    server._ctl("start", check=False)
+    if not server.ready(60):
+        _unavailable("the private PostgreSQL cluster", server.url,
+                     RuntimeError("it did not start"))
     try:
-        yield
+        yield server
     finally:
-        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", *cluster, "start"],
+        subprocess.run(["pg_dropcluster", "--stop", version, OUTAGE_CLUSTER],
                        check=False, capture_output=True)
-        if not _pg_ready(60):
-            pytest.fail("PostgreSQL did not come back after the outage", pytrace=False)
 
 
 def wait_for_status(app: Celery, task_id: str, status: str, timeout: float = 15.0) -> Any:

@@ -41,7 +41,7 @@ from celery import Celery
 from sqlalchemy import create_engine, text
 
 from celery_duraflow._store import close_all_stores
-from tests.conftest import Broker, drop_project_tables, postgres_stopped
+from tests.conftest import Broker, OutageServer, drop_project_tables
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.subprocess]
 
@@ -269,18 +269,18 @@ def wait_for_runs(c: Cluster, count: int, timeout: float) -> dict[str, int]:
 
 
 @pytest.mark.chaos
-def test_chaos_kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path,
-                                request: pytest.FixtureRequest) -> None:
+def test_chaos_kills_and_outage(outage_pg: OutageServer, broker: Broker,
+                                tmp_path: Path) -> None:
     """200 runs survive SIGKILLed children and a PostgreSQL outage: each done, charged once.
     On Redis the workers reach PostgreSQL directly, on RabbitMQ through PgBouncer in
-    transaction pooling mode."""
-    workers_url = (request.getfixturevalue("pgbouncer_url") if broker.name == "rabbitmq"
-                   else None)
-    _kills_and_outage(pg_url, broker, tmp_path, workers_url=workers_url)
+    transaction pooling mode. The server stopped is the session's private cluster."""
+    _kills_and_outage(outage_pg, broker, tmp_path, through_pgbouncer=broker.name == "rabbitmq")
 
 
-def _kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path, *,
-                      workers_url: str | None = None) -> None:
+def _kills_and_outage(outage_pg: OutageServer, broker: Broker, tmp_path: Path, *,
+                      through_pgbouncer: bool) -> None:
+    pg_url = outage_pg.url
+    workers_url = outage_pg.pgbouncer_url if through_pgbouncer else None
     runs, kills = 200, 40
     with cluster(pg_url, broker, tmp_path, lease_seconds=3, workers_url=workers_url) as c:
         c.start_with_sweeper()
@@ -293,7 +293,7 @@ def _kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path, *,
 
         def outage() -> None:
             try:
-                with postgres_stopped():  # always started again, even if this thread fails
+                with outage_pg.stopped():  # always started again, even if this thread fails
                     time.sleep(3)
             except BaseException as exc:  # reported by the main thread
                 outage_errors.append(exc)
@@ -316,7 +316,9 @@ def _kills_and_outage(pg_url: str, broker: Broker, tmp_path: Path, *,
         assert outage_thread.ident is not None
 
         statuses = wait_for_runs(c, runs, timeout=100)
-        assert statuses.get("succeeded") == runs, f"{statuses}\n{c.log_tail()}"
+        failures = c.sql(f'SELECT error, count(*) FROM "{c.prefix}runs" '
+                         "WHERE status <> 'succeeded' GROUP BY error")
+        assert statuses.get("succeeded") == runs, f"{statuses}\n{failures}\n{c.log_tail()}"
 
         charges = dict(c.sql(f'SELECT task_id, count(*) FROM "{c.prefix}chaos_charges" '
                              "GROUP BY task_id"))

@@ -1,4 +1,8 @@
-"""PostgreSQL going away and coming back, with a real server stop."""
+"""PostgreSQL going away and coming back, with a real server stop.
+
+The server stopped is a private cluster of the test session's (``outage_pg``), never the
+shared one the other tests use.
+"""
 
 from __future__ import annotations
 
@@ -12,19 +16,20 @@ from celery import Celery
 
 from celery_duraflow import DurableTask, StoreUnavailable, get_run, step
 from celery_duraflow._store import close_all_stores
-from tests.conftest import app_factory, drop_tables, postgres_stopped
+from tests.conftest import OutageServer, app_factory, drop_tables
 
 pytestmark = [pytest.mark.postgres, pytest.mark.chaos]
 
 
 @pytest.fixture
-def pg_app(pg_url: str, table_prefix: str) -> Iterator[Celery]:
-    yield app_factory(pg_url, table_prefix)(duraflow_lease_seconds=1)
+def pg_app(outage_pg: OutageServer, table_prefix: str) -> Iterator[Celery]:
+    """An eager app whose store is on the private cluster, with a one-second lease."""
+    yield app_factory(outage_pg.url, table_prefix)(duraflow_lease_seconds=1)
     close_all_stores()
-    drop_tables(pg_url, table_prefix)
+    drop_tables(outage_pg.url, table_prefix)
 
 
-def test_outage_stops_steps_and_loses_nothing(pg_app: Celery) -> None:
+def test_outage_stops_steps_and_loses_nothing(pg_app: Celery, outage_pg: OutageServer) -> None:
     """Down: StoreUnavailable before any body runs. Back: the pool recovers, outputs kept."""
     calls: Counter[str] = Counter()
     outage: list[object] = []
@@ -36,7 +41,7 @@ def test_outage_stops_steps_and_loses_nothing(pg_app: Celery) -> None:
             s.result = "booked"
         if not outage:
             # The database goes away between two steps of the first attempt.
-            outage.append(postgres_stopped())
+            outage.append(outage_pg.stopped())
             outage[0].__enter__()  # type: ignore[attr-defined]
         with step("notify") as s:
             calls["notify"] += 1
@@ -66,7 +71,8 @@ def test_outage_stops_steps_and_loses_nothing(pg_app: Celery) -> None:
     assert run.step("book").result == "booked"
 
 
-def test_restart_while_idle_needs_no_failed_attempt(pg_app: Celery) -> None:
+def test_restart_while_idle_needs_no_failed_attempt(pg_app: Celery,
+                                                   outage_pg: OutageServer) -> None:
     """Connections the server closed while pooled are replaced before use, not failed on."""
     calls: Counter[str] = Counter()
 
@@ -78,14 +84,14 @@ def test_restart_while_idle_needs_no_failed_attempt(pg_app: Celery) -> None:
         return str(s.result)
 
     assert task.apply().get() == "done"  # leaves connections idle in the pool
-    with postgres_stopped():
+    with outage_pg.stopped():
         pass
     assert task.apply().get() == "done"
     assert calls["work"] == 2
 
 
 def test_restart_inside_a_step_body_records_its_end_on_a_new_connection(
-        pg_app: Celery) -> None:
+        pg_app: Celery, outage_pg: OutageServer) -> None:
     """The attempt's own connection, closed by a restart mid-body, is replaced, not failed on."""
     calls: Counter[str] = Counter()
 
@@ -95,7 +101,7 @@ def test_restart_inside_a_step_body_records_its_end_on_a_new_connection(
             s.result = 1
         with step("across-restart") as s:
             calls["across"] += 1
-            with postgres_stopped():
+            with outage_pg.stopped():
                 pass
             s.result = "recorded"
         with step("after") as s:

@@ -66,7 +66,7 @@ def engine() -> Engine:
     global _engine, _engine_pid
     with _lock:
         if _engine is None or _engine_pid != os.getpid():
-            _engine = create_engine(DATABASE_URL, pool_size=2)
+            _engine = create_engine(DATABASE_URL, pool_size=2, **_engine_options())
             _engine_pid = os.getpid()
         return _engine
 
@@ -81,8 +81,16 @@ def reset_engine() -> None:
         _engine_pid = None
 
 
+def _engine_options() -> dict[str, object]:
+    """Behind PgBouncer (transaction pooling), the project's own connections must not let
+    psycopg prepare statements on the server either: the store's rules are its users'."""
+    if DATABASE_URL.startswith("postgresql+psycopg"):
+        return {"connect_args": {"prepare_threshold": None}}
+    return {}
+
+
 def create_tables() -> None:
-    temporary = create_engine(DATABASE_URL)
+    temporary = create_engine(DATABASE_URL, **_engine_options())
     try:
         METADATA.create_all(temporary, checkfirst=True)
     finally:
