@@ -42,11 +42,12 @@ KNOWN_KEYS = (
     "pooler", "serializer", "store_outage_timeout", "table_prefix",
 )
 # What stands between the workers and PostgreSQL (``duraflow_pooler``): "auto" finds out
-# at each new connection; "none" (or "session", a session pooler: one server connection
-# per client connection) keeps server-side prepared statements; "transaction" (PgBouncer's
-# transaction pooling, where consecutive transactions of one client may run on different
-# server connections) turns them off. Statement pooling cannot work: migrations and
-# atomic steps need transactions of several statements.
+# at each new connection (a pooler gives its clients backend process ids of its own);
+# "none" (or "session", a session pooler: one server connection per client connection)
+# keeps server-side prepared statements; "transaction" (PgBouncer's transaction pooling,
+# where consecutive transactions of one client may run on different server connections)
+# turns them off. Statement pooling cannot work: migrations and atomic steps need
+# transactions of several statements.
 POOLERS = ("auto", "none", "session", "transaction")
 # Environment variables the library reads besides the settings (the web view's token),
 # and prefixes left to test suites and benchmarks (this project's own use them).

@@ -221,15 +221,15 @@ def _postgres_engine_events(engine: Engine) -> None:
             raise DisconnectionError(problem)
 
 
-def _server_port_and_clock(dbapi_conn: Any) -> tuple[int | None, float]:
-    """The port the server says it listens on (None on a Unix socket) and its clock, as
-    seconds since the epoch, in one round trip; the clock's offset measured on the way."""
+def _server_pid_and_clock(dbapi_conn: Any) -> int:
+    """The process id of the server session that answers, in one round trip that also
+    measures the server's clock (see :mod:`celery_duraflow._clock`)."""
     row: Any = None
 
     def server_epoch() -> float:
         nonlocal row
         with dbapi_conn.cursor() as cursor:
-            cursor.execute("SELECT inet_server_port(), "
+            cursor.execute("SELECT pg_backend_pid(), "
                            "extract(epoch FROM clock_timestamp())::float8")
             row = cursor.fetchone()
         return float(row[1])
@@ -237,51 +237,49 @@ def _server_port_and_clock(dbapi_conn: Any) -> tuple[int | None, float]:
     _clock.measure(server_epoch)
     if dbapi_conn.info.transaction_status != pq.TransactionStatus.IDLE:
         dbapi_conn.rollback()  # the engine's connections autocommit; a user's may not
-    return (None if row[0] is None else int(row[0])), float(row[1])
+    return int(row[0])
 
 
 def _measure_clock(dbapi_conn: Any) -> None:
     """Measure the clock's offset again on a connection outside any transaction."""
     if dbapi_conn.info.transaction_status == pq.TransactionStatus.IDLE:
-        _server_port_and_clock(dbapi_conn)
+        _server_pid_and_clock(dbapi_conn)
 
 
 def _connect_events(engine: Engine, database: Database) -> None:
-    """At each new connection, measure the server's clock, and find out whether a
-    transaction pooler stands in between (one round trip for both).
+    """At each new connection, measure the server's clock, and find out whether a pooler
+    stands in between (one round trip for both).
 
     The clock: see :mod:`celery_duraflow._clock`. The pooler: behind PgBouncer in
     transaction pooling mode consecutive transactions of one client connection
     may run on different server connections, so a statement prepared on the
     server (psycopg prepares a query it has run five times; the step records
     are prepared by :meth:`Database._write_raw`) may be missing, or already
-    there under the same name, on the next one. A pooler answers from a port of
-    its own: when the server says it listens on another port than the one
-    connected to, prepared statements are turned off for good. A proxy that
-    only forwards (a container's published port) is taken for a pooler too,
-    which costs a few microseconds per statement and nothing else;
-    ``duraflow_pooler = "none"`` says there is none.
+    there under the same name, on the next one. A pooler hands its clients a
+    backend process id of its own making (they cannot cancel a query through a
+    server session they do not own): when the id the connection was given is
+    not the one of the session that answers, prepared statements are turned
+    off for good. A proxy that only forwards bytes passes the server's id on
+    and changes nothing. ``duraflow_pooler`` says it outright.
     """
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         if database.transaction_pooled:
             dbapi_conn.prepare_threshold = None
-        server_port, _server_clock = _server_port_and_clock(dbapi_conn)
-        info = dbapi_conn.info
+        server_pid = _server_pid_and_clock(dbapi_conn)
+        given_pid = dbapi_conn.info.backend_pid
         if (database.transaction_pooled or database.config.pooler != "auto"
-                or not info.host or info.host.startswith("/")):
-            return  # decided, or a Unix socket: nothing to compare
-        if server_port is not None and server_port == int(info.port):
+                or server_pid == given_pid):
             return
         database.transaction_pooled = True
         dbapi_conn.prepare_threshold = None
         logger.info(
-            "celery-duraflow: connected to port %s, but the PostgreSQL server listens on %s: "
-            "a connection pooler is assumed in between, and server-side prepared statements "
-            "are off. Set duraflow_pooler = 'transaction' to say so, or 'none' if the "
-            "connection is direct.", info.port, server_port if server_port is not None
-            else "a Unix socket")
+            "celery-duraflow: the PostgreSQL session that answers (process %s) is not the "
+            "one the connection was given (%s): a connection pooler is assumed in between, "
+            "and server-side prepared statements are off. Set duraflow_pooler = "
+            "'transaction' to say so, or 'none' if there is no pooler.", server_pid,
+            given_pid)
 
 
 class Database:
@@ -372,7 +370,7 @@ class Database:
     def measure_clock(self) -> None:
         """Measure the database server's clock against this host's (see ``_clock``)."""
         with self.engine.connect() as conn:
-            _server_port_and_clock(conn.connection.driver_connection)
+            _server_pid_and_clock(conn.connection.driver_connection)
 
     def dispose_after_fork(self) -> None:
         """Drop connections inherited from a parent process without closing them."""
