@@ -488,23 +488,30 @@ class Store(WaitStatements):
         signals = self.tables.signals
         child = runs.alias("child")
         now = utc_now()
-        stmt = (
+        # Due runs: one range of (status, lease_expires_at) per status, each stopping
+        # after `limit` rows, so a pass reads only runs that are due. Due at the expiry
+        # itself, as sleep() is: a test clock stopped at a wake-up time finds it due.
+        due = [select(runs).where(runs.c.pruned_at.is_(None), runs.c.status == status,
+                                  runs.c.lease_expires_at <= now)
+               .order_by(runs.c.lease_expires_at).limit(limit).subquery()
+               for status in (RUNNING, SLEEPING, WAITING)]
+        # Waiting runs whose signal or child end arrived without waking them.
+        arrived = (
             select(runs)
-            .where(runs.c.pruned_at.is_(None), or_(
-                # Due at the expiry itself, as sleep() is: a test clock stopped at a
-                # wake-up time finds the run due.
-                and_(runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
-                     runs.c.lease_expires_at <= now),
-                and_(runs.c.status == WAITING, runs.c.wait_kind == "signal",
+            .where(runs.c.pruned_at.is_(None), runs.c.status == WAITING, or_(
+                and_(runs.c.wait_kind == "signal",
                      exists().where(signals.c.task_id == runs.c.task_id,
                                     signals.c.name == runs.c.waiting_for)),
-                and_(runs.c.status == WAITING, runs.c.wait_kind == "child",
+                and_(runs.c.wait_kind == "child",
                      exists().where(child.c.task_id == runs.c.waiting_for,
                                     child.c.status.in_(FINISHED))),
             ))
-            .order_by(runs.c.lease_expires_at)
-            .limit(limit)
+            .order_by(runs.c.lease_expires_at).limit(limit).subquery()
         )
+        merged = union_all(*(select(branch) for branch in (*due, arrived))).subquery("found")
+        # A run both due and arrived comes once (UNION ALL keeps both copies).
+        stmt = (select(merged).distinct()
+                .order_by(merged.c.lease_expires_at, merged.c.task_id).limit(limit))
         with self._read("looking for runs to wake or recover") as conn:
             return [RunRecord.from_row(row) for row in conn.execute(stmt)]
 
