@@ -42,6 +42,8 @@ MARKER = "new-pricing"
 STEPS_PER_RUN = 10
 # An operation is "met" when its big-table figure is at most this many times its empty one.
 LIMIT = 2.0
+# Operations a sweep does now and then rather than on every pass: reported, not in the verdict.
+PERIODIC = ("sweep's arrivals check (once a minute)",)
 
 
 def _load() -> str:
@@ -198,7 +200,11 @@ class Operations:
             f"patch {MARKER}": _median(lambda: _admin.patch_progress(
                 store, f"patched:{MARKER}", cap=_admin.COUNT_CAP), n),
             "recovery sweep pass (nothing due)": _median(
-                lambda: store.recoverable_runs(100), n),
+                lambda: store.recoverable_runs(100, arrivals=False), n),
+            # What a sweep adds once a minute: every waiting run checked for a signal or a
+            # child end that arrived without waking it.
+            "sweep's arrivals check (once a minute)": _median(
+                lambda: store.recoverable_runs(100, arrivals=True), n),
         }
 
     def wal_per_run(self, conn: psycopg.Connection[Any], tasks: int) -> float:
@@ -276,9 +282,13 @@ def bench_scale(database_url: str, prefix: str, *, runs: int, repeats: int,
         after = big[name]
         factor = after / before if before > 0 else None
         met = factor is not None and factor <= LIMIT
-        if name != "fresh step" and factor is not None and (worst is None or factor > worst[0]):
+        periodic = name in PERIODIC
+        if (name != "fresh step" and not periodic and factor is not None
+                and (worst is None or factor > worst[0])):
             worst = (factor, name)
-        rows.append([name, ms(before), ms(after), ratio(factor), "met" if met else "NOT met"])
+        verdict = "met" if met else "NOT met"
+        rows.append([name, ms(before), ms(after), ratio(factor),
+                     f"({verdict}: not per pass)" if periodic else verdict])
         data_rows.append({"operation": name, "empty_s": before, "big_s": after,
                           "ratio": factor})
     wal_factor = wal_big / wal_empty if wal_empty else None
@@ -297,7 +307,10 @@ def bench_scale(database_url: str, prefix: str, *, runs: int, repeats: int,
         f"days; {fill_s / 60:.1f} minutes; runs {sizes[0] if sizes else '?'}, steps "
         f"{sizes[1] if sizes else '?'}); medians of {repeats} calls each ({runs_per_round} "
         "runs of each kind for the fresh step and the empty run, taking turns). Fresh step "
-        "= (10-step run - empty run) / 10. Footer counts stop at "
+        "= (10-step run - empty run) / 10. The sweep's arrivals check (every waiting run "
+        "checked for a signal or child end that arrived without waking it) runs once a "
+        "minute per sweeping process, not on every pass: it is shown, and left out of the "
+        "verdict. Footer counts stop at "
         f"{_admin.COUNT_CAP:,} per status. Load average before {load_before}, after "
         f"{load_after} (2 cores, shared).",
         "",

@@ -712,7 +712,8 @@ def patch_progress(store: Store, marker: str, task_name: str | None = None, limi
 
     A count equal to ``cap`` means at least that many runs recorded the marker.
     The unfinished runs are read one status at a time, oldest first, through
-    ``(status, created_at)`` (or ``(task_name, status, created_at)``).
+    ``(status, created_at)`` (or ``(task_name, status, created_at)``), without
+    their stored arguments and result (``args`` and ``result`` are None).
     """
     runs, steps = store.tables.runs, store.tables.steps
     matches, first_query, count_query = _marker_queries(store, marker, cap=cap)
@@ -728,7 +729,10 @@ def patch_progress(store: Store, marker: str, task_name: str | None = None, limi
         if task_name is not None:
             conditions.append(runs.c.task_name == task_name)
         oldest_first = (runs.c.created_at, runs.c.task_id)
-        branches = [select(runs).where(runs.c.status == status, *conditions)
+        # Brief rows, as the listings read them: no stored arguments or result.
+        columns = [null().label(column.name) if column.name in _NOT_LISTED else column
+                   for column in runs.c]
+        branches = [select(*columns).where(runs.c.status == status, *conditions)
                     .order_by(*oldest_first).limit(limit).subquery()
                     for status in (RUNNING, SLEEPING, WAITING)]
         merged = union_all(*(select(branch) for branch in branches)).subquery("unfinished")

@@ -475,14 +475,20 @@ class Store(WaitStatements):
         with self._write("renewing run leases") as conn:
             return {(row[0], row[1]): row[2] for row in conn.execute(stmt)}
 
-    def recoverable_runs(self, limit: int) -> list[RunRecord]:
+    def recoverable_runs(self, limit: int, *, arrivals: bool = True) -> list[RunRecord]:
         """Runs that need a delivery and will not get one by themselves.
 
         Running runs whose lease expired (their owner died, or their retry
-        never came); sleeping and waiting runs whose time is up; and waiting
-        runs whose signal or child arrived without waking them (the sender
-        died between storing the signal and sending the run). Oldest expiry
-        first; never a pruned run's tombstone.
+        never came); sleeping and waiting runs whose time is up; and, with
+        ``arrivals``, waiting runs whose signal or child arrived without
+        waking them (the sender died between storing the signal and sending
+        the run). Oldest expiry first; never a pruned run's tombstone.
+
+        The due runs are read through the lease index, at most ``limit`` per
+        status, whatever the size of the table. The arrivals are not due by
+        time: finding them means looking at every waiting run (an index range
+        and a key lookup each), which is why the sweep asks for them only now
+        and then (:data:`celery_duraflow._recovery.ARRIVALS_EVERY`).
         """
         runs = self.tables.runs
         signals = self.tables.signals
@@ -508,7 +514,8 @@ class Store(WaitStatements):
             ))
             .order_by(runs.c.lease_expires_at).limit(limit).subquery()
         )
-        merged = union_all(*(select(branch) for branch in (*due, arrived))).subquery("found")
+        branches = (*due, arrived) if arrivals else due
+        merged = union_all(*(select(branch) for branch in branches)).subquery("found")
         # A run both due and arrived comes once (UNION ALL keeps both copies).
         stmt = (select(merged).distinct()
                 .order_by(merged.c.lease_expires_at, merged.c.task_id).limit(limit))
