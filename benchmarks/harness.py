@@ -34,6 +34,10 @@ Benchmarks (``--only`` takes a comma-separated list of these names):
     An atomic step whose body writes one row in the step's transaction against a plain
     step whose body writes the same row on its own autocommit connection, per step and
     as a ratio, on PostgreSQL and on SQLite (:mod:`benchmarks.atomic`).
+``scale``
+    The hot path and the operator side (listings, footer counts, prune, patch, the sweep)
+    on empty tables and again after a bulk fill of a million runs and ten million steps,
+    as ratios big / empty; a real prune in batches (:mod:`benchmarks.scale`).
 ``telemetry``
     The same N-step task with OpenTelemetry off, on without an SDK and on with the SDK
     (in-memory exporter), fresh and replayed, the modes taking turns in the same rounds;
@@ -106,7 +110,7 @@ from .common import (
 from .workload import HandWritten
 
 BENCHMARKS = ("fresh", "replay", "sqlite", "wal", "dbos", "e2e", "memory", "atomic",
-              "telemetry")
+              "telemetry", "scale")
 # The floor INSERT is timed in bursts of this many back to back (its best case).
 FLOOR_BURST = 20
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -230,6 +234,8 @@ class Harness:
         "e2e_rabbitmq": Target("e2e throughput durable / hand-written twelve commits "
                                "(RabbitMQ)", ">= 0.85x"),
         "memory": Target("worker RSS growth over 10,000 durable runs", "< 20 MB"),
+        "scale": Target("large tables: each operation on 1M runs / on empty tables (worst)",
+                        "<= 2x"),
     })
     errors: list[str] = field(default_factory=list)
     _duraflow: DuraflowBench | None = None
@@ -1124,6 +1130,20 @@ class Harness:
                                       warmup=s.warmup)
         self.section("OpenTelemetry cost", lines)
         self.results["telemetry"] = data
+
+    def bench_scale(self) -> None:
+        from .scale import LIMIT, bench_scale, default_sizes
+
+        sizes = default_sizes(self.sizes is QUICK)
+        lines, data = bench_scale(self.database_url, self.prefix, **sizes)
+        self.section("Large tables", lines)
+        self.results["scale"] = data
+        target = self.targets["scale"]
+        worst = data["worst"]
+        if worst is not None:
+            target.measured = f"{worst['ratio']:.2f}x"
+            target.status = "met" if worst["ratio"] <= LIMIT else "NOT met"
+            target.note = f"{worst['operation']}; {data['runs']:,} runs"
 
     def bench_profile(self) -> None:
         from .profile import attempt_profile

@@ -28,7 +28,8 @@ prune deletes those older than ``tombstones_older_than`` (by default
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -62,9 +63,13 @@ from ._records import (
     as_utc,
     utc_now,
 )
+from ._schema import is_marker, marker_name
 from ._store import Store
 from .errors import RunNotFound, RunStateError
 
+#: The prefix of a patch marker's step name (``_patched.MARKER_PREFIX``, which imports
+#: the step machinery this module has no use for).
+MARKER_KEY_PREFIX = "patched:"
 #: What ``prune`` may delete: runs that have ended.
 PRUNABLE = FINISHED
 #: Statuses of runs that have not ended; prune never deletes them.
@@ -160,6 +165,9 @@ def listing_query(store: Store, *, statuses: Sequence[str] = (), task_name: str 
         conditions.append(and_(runs.c.created_at <= created_at,
                                or_(runs.c.created_at < created_at, runs.c.task_id < task_id)))
     chosen = check_statuses(statuses)
+    if task_name is not None and not chosen:
+        # The task's index is (task_name, status, created_at): one range per status.
+        chosen = list(RUN_STATUSES)
     newest_first = (runs.c.created_at.desc(), runs.c.task_id.desc())
     if len(chosen) <= 1:
         if chosen:
@@ -247,6 +255,70 @@ def count_by_status(store: Store, *, statuses: Sequence[str] = (), task_name: st
     return ordered
 
 
+#: How many runs a bounded count reads at most per status (the listings' footers, the
+#: dry run of prune, a patch's progress): beyond it, the count says "at least".
+COUNT_CAP = 1000
+
+
+@dataclass(frozen=True)
+class StatusCounts:
+    """Runs per status, each counted up to :attr:`cap`: a count equal to the cap means
+    at least that many (:meth:`at_least`)."""
+
+    counts: dict[str, int]
+    cap: int
+
+    def at_least(self, status: str) -> bool:
+        """True when the count of ``status`` stopped at the cap: there may be more."""
+        return self.counts.get(status, 0) >= self.cap
+
+    @property
+    def bounded(self) -> bool:
+        """True when some count stopped at the cap."""
+        return any(count >= self.cap for count in self.counts.values())
+
+    @property
+    def total(self) -> int:
+        """The sum of the counts (a lower bound when :attr:`bounded`)."""
+        return sum(self.counts.values())
+
+    def text(self, count: int) -> str:
+        """A count as shown: ``1,000+`` at the cap, else the number."""
+        return f"{count:,}+" if count >= self.cap else f"{count:,}"
+
+
+def count_by_status_bounded(store: Store, *, statuses: Sequence[str] = (),
+                            task_name: str | None = None, older_than: timedelta | None = None,
+                            newer_than: timedelta | None = None,
+                            cap: int | None = None) -> StatusCounts:
+    """How many runs match the filters, per status, each counted up to ``cap``.
+
+    One statement: for each status, a count of at most ``cap`` entries of one
+    range of ``(status, created_at)`` (or ``(task_name, status, created_at)``
+    with a task name), so its cost does not grow with the table. Statuses with
+    none are left out. ``cap`` defaults to :data:`COUNT_CAP`. Use
+    :func:`count_by_status` for exact counts, which read every matching run.
+    """
+    cap = COUNT_CAP if cap is None else cap
+    if cap < 1:
+        raise ValueError(f"cap must be at least 1, got {cap}")
+    runs = store.tables.runs
+    conditions = _filters(store, task_name=task_name, older_than=older_than,
+                          newer_than=newer_than, now=utc_now())
+    chosen = check_statuses(statuses) or list(RUN_STATUSES)
+    branches = []
+    for status in chosen:
+        # In the index's order, so that the planner reads the index (a scan of the
+        # table that stops after `cap` rows could read all of it for a rare status).
+        some = (select(literal(1).label("one")).where(runs.c.status == status, *conditions)
+                .order_by(runs.c.created_at.desc()).limit(cap).subquery())
+        branches.append(select(literal(status).label("status"),
+                               func.count().label("n")).select_from(some))
+    with store.reading("counting runs") as conn:
+        counts = {str(status): int(n) for status, n in conn.execute(union_all(*branches)) if n}
+    return StatusCounts(counts=counts, cap=cap)
+
+
 # -- pruning -------------------------------------------------------------------------------
 
 
@@ -262,14 +334,18 @@ def _prunable(statuses: Iterable[str]) -> list[str]:
 def _may_go(store: Store) -> ColumnElement[bool]:
     """False for a child run whose parent has not ended: the parent may still read it.
 
-    Written as ``parent_id IS NULL OR NOT EXISTS (...)`` so that the check is a
-    primary-key lookup made only for child runs, never a join over all runs.
+    Written as ``parent_id IS NULL OR (the parent's status) NOT IN (...)`` so that
+    the check is a primary-key lookup made only for child runs, never a join over
+    all runs: a scalar subquery is evaluated per row (PostgreSQL may answer a ``NOT
+    EXISTS`` under an ``OR`` with a hash of every unfinished run). A parent that is
+    gone does not hold its children back.
     """
     runs = store.tables.runs
     parent = runs.alias("parent")
+    parent_status = (select(parent.c.status).where(parent.c.task_id == runs.c.parent_id)
+                     .scalar_subquery())
     return or_(runs.c.parent_id.is_(None),
-               ~exists().where(parent.c.task_id == runs.c.parent_id,
-                               parent.c.status.in_(UNFINISHED)))
+               func.coalesce(parent_status, "").not_in(UNFINISHED))
 
 
 def prune_candidates_query(store: Store, *, status: str, cutoff: datetime,
@@ -294,9 +370,26 @@ def _check_batch_size(batch_size: int) -> None:
         raise ValueError(f"batch_size must be between 1 and {MAX_BATCH_SIZE}, got {batch_size}")
 
 
+@dataclass(frozen=True)
+class PruneBatch:
+    """One committed batch of :func:`prune`, as its ``progress`` callback gets it."""
+
+    #: The status this batch pruned.
+    status: str
+    #: Runs and steps this batch pruned, and the totals so far (this batch included).
+    runs: int
+    steps: int
+    runs_total: int
+    steps_total: int
+    #: How long the batch's transaction took (choosing, deleting, committing), in seconds:
+    #: the longest any of its runs' rows stayed locked.
+    seconds: float
+
+
 def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUNABLE,
           batch_size: int = 1000,
-          tombstones_older_than: timedelta | None = TOMBSTONE_RETENTION) -> tuple[int, int]:
+          tombstones_older_than: timedelta | None = TOMBSTONE_RETENTION,
+          progress: Callable[[PruneBatch], None] | None = None) -> tuple[int, int]:
     """Prune ended runs last updated more than ``older_than`` ago; (runs, steps) pruned.
 
     Only runs in ``statuses`` (each one of ``succeeded``, ``failed``,
@@ -307,6 +400,11 @@ def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUN
     late redelivery of its task id runs nothing. Each batch of at most
     ``batch_size`` runs is one transaction: choose the task ids, delete their
     steps and signals, then empty the runs' rows into tombstones.
+
+    A batch locks only its own runs' rows, for as long as its transaction
+    lasts, and commits before the next one starts: an interrupted prune keeps
+    every batch it committed, and running it again goes on from there.
+    ``progress``, when given, is called after each committed batch.
 
     Then tombstones pruned more than ``tombstones_older_than`` ago are
     deleted (see :func:`delete_tombstones`); None keeps them all.
@@ -322,13 +420,15 @@ def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUN
         candidates = prune_candidates_query(store, status=status, cutoff=cutoff,
                                             batch_size=batch_size)
         while True:
+            started = time.perf_counter()
+            batch_runs = batch_steps = 0
             with store.transaction("pruning runs") as conn:
                 task_ids = list(conn.execute(candidates).scalars())
                 if task_ids:
-                    steps_deleted += conn.execute(
+                    batch_steps = conn.execute(
                         delete(steps).where(steps.c.task_id.in_(task_ids))).rowcount
                     conn.execute(delete(signals).where(signals.c.task_id.in_(task_ids)))
-                    runs_pruned += conn.execute(
+                    batch_runs = conn.execute(
                         update(runs).where(runs.c.task_id.in_(task_ids),
                                            runs.c.status == status,
                                            runs.c.pruned_at.is_(None))
@@ -337,6 +437,12 @@ def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUN
                                 code_fingerprint=None, exchange=None, routing_key=None,
                                 lease_owner=None, lease_expires_at=None, wait_kind=None,
                                 waiting_for=None, wake_at=None, unwinding=None)).rowcount
+            runs_pruned += batch_runs
+            steps_deleted += batch_steps
+            if task_ids and progress is not None:
+                progress(PruneBatch(status=status, runs=batch_runs, steps=batch_steps,
+                                    runs_total=runs_pruned, steps_total=steps_deleted,
+                                    seconds=time.perf_counter() - started))
             if len(task_ids) < batch_size:
                 break
     if tombstones_older_than is not None:
@@ -382,25 +488,47 @@ def delete_tombstones(store: Store, *, older_than: timedelta = TOMBSTONE_RETENTI
     return deleted
 
 
-def count_tombstones(store: Store, *,
-                     older_than: timedelta = TOMBSTONE_RETENTION) -> int:
-    """What :func:`delete_tombstones` would delete now; deletes nothing."""
+def count_tombstones(store: Store, *, older_than: timedelta = TOMBSTONE_RETENTION,
+                     cap: int | None = None) -> int:
+    """What :func:`delete_tombstones` would delete now; deletes nothing.
+
+    With ``cap``, counts at most that many (the tombstones' index, oldest first).
+    """
     runs = store.tables.runs
-    query = (select(func.count()).select_from(runs)
-             .where(runs.c.pruned_at.is_not(None), runs.c.pruned_at < utc_now() - older_than))
+    doomed = (select(runs.c.task_id)
+              .where(runs.c.pruned_at.is_not(None), runs.c.pruned_at < utc_now() - older_than))
+    if cap is not None:
+        doomed = doomed.limit(cap)
+    query = select(func.count()).select_from(doomed.subquery())
     with store.reading("counting tombstones of pruned runs") as conn:
         return int(conn.execute(query).scalar_one())
 
 
 def count_prunable(store: Store, *, older_than: timedelta,
-                   statuses: Iterable[str] = PRUNABLE) -> tuple[int, int]:
-    """What :func:`prune` would prune now, as (runs, steps); changes nothing."""
+                   statuses: Iterable[str] = PRUNABLE,
+                   cap: int | None = None) -> tuple[int, int]:
+    """What :func:`prune` would prune now, as (runs, steps); changes nothing.
+
+    With ``cap``, at most that many runs are counted (oldest update first, one
+    range of prune's index per status), and the steps of those runs: a run
+    count equal to the cap means at least that many runs, and more steps.
+    """
     chosen = _prunable(statuses)
     runs, steps = store.tables.runs, store.tables.steps
     cutoff = utc_now() - older_than
-    doomed = (select(runs.c.task_id)
-              .where(runs.c.status.in_(chosen), runs.c.pruned_at.is_(None),
-                     runs.c.updated_at < cutoff, _may_go(store)))
+    branches = [select(runs.c.task_id)
+                .where(runs.c.status == status, runs.c.pruned_at.is_(None),
+                       runs.c.updated_at < cutoff, _may_go(store))
+                for status in chosen]
+    if cap is not None:
+        # Each branch as a subquery: SQLite refuses a LIMIT inside a compound SELECT.
+        limited = [branch.order_by(runs.c.updated_at).limit(cap).subquery()
+                   for branch in branches]
+        branches = [select(sub.c.task_id) for sub in limited]
+    merged = union_all(*branches).subquery("prunable")
+    doomed = select(merged.c.task_id)
+    if cap is not None:
+        doomed = doomed.limit(cap)
     run_count = select(func.count()).select_from(doomed.subquery())
     step_count = (select(func.count()).select_from(steps)
                   .where(steps.c.task_id.in_(doomed)))
@@ -551,23 +679,63 @@ def patch_status(store: Store, marker: str, task_name: str | None = None,
     """For a ``patched()`` marker key: when it was first recorded, by how many runs, and
     the unfinished runs that started before that and have not recorded it (they may
     still take the old branch)."""
-    runs, steps = store.tables.runs, store.tables.steps
+    first, count, old = patch_progress(store, marker, task_name, limit)
+    return first, count, old
+
+
+def _marker_queries(store: Store, marker: str, *,
+                    cap: int | None) -> tuple[ColumnElement[bool], Select[Any], Select[Any]]:
+    """The condition on a step key that records ``marker``, the query of its first start
+    time, and the one of how many runs recorded it (up to ``cap``)."""
+    steps = store.tables.steps
     escaped = like_literal(marker)
     matches = or_(steps.c.step_key == marker,
                   steps.c.step_key.like(f"{escaped}#%", escape=LIKE_ESCAPE),
                   steps.c.step_key.like(f"%/{escaped}", escape=LIKE_ESCAPE),
                   steps.c.step_key.like(f"%/{escaped}#%", escape=LIKE_ESCAPE))
-    first_and_count = select(func.min(steps.c.started_at),
-                             func.count(steps.c.task_id.distinct())).where(matches)
+    found: ColumnElement[bool] = matches
+    if store.engine.dialect.name == "postgresql" and marker.startswith(MARKER_KEY_PREFIX):
+        # The markers' index (version 13) by name; the key match stays, so the rows
+        # are exactly those of the match alone.
+        found = and_(marker_name(steps) == marker, is_marker(steps), matches)
+    first = select(steps.c.started_at).where(found).order_by(steps.c.started_at).limit(1)
+    recorded = select(steps.c.task_id).where(found)
+    if cap is not None:
+        recorded = recorded.limit(cap)
+    count = select(func.count(func.distinct(recorded.subquery().c.task_id)))
+    return matches, first, count
+
+
+def patch_progress(store: Store, marker: str, task_name: str | None = None, limit: int = 100,
+                   *, cap: int | None = None) -> tuple[datetime | None, int, list[RunRecord]]:
+    """:func:`patch_status`, with at most ``cap`` marker rows counted (None: all of them).
+
+    A count equal to ``cap`` means at least that many runs recorded the marker.
+    The unfinished runs are read one status at a time, oldest first, through
+    ``(status, created_at)`` (or ``(task_name, status, created_at)``), without
+    their stored arguments and result (``args`` and ``result`` are None).
+    """
+    runs, steps = store.tables.runs, store.tables.steps
+    matches, first_query, count_query = _marker_queries(store, marker, cap=cap)
     with store.reading("reading a patch marker") as conn:
-        first, count = conn.execute(first_and_count).one()
-        first = as_utc(first)
-        conditions = [runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
+        first = as_utc(conn.execute(first_query).scalar())
+        count = conn.execute(count_query).scalar()
+        # Unfinished runs are never pruned: pruned_at IS NULL only lets the live
+        # runs' indexes answer.
+        conditions = [runs.c.pruned_at.is_(None),
                       ~exists().where(steps.c.task_id == runs.c.task_id, matches)]
         if first is not None:
             conditions.append(runs.c.created_at < first)
         if task_name is not None:
             conditions.append(runs.c.task_name == task_name)
-        stmt = (select(runs).where(*conditions).order_by(runs.c.created_at).limit(limit))
+        oldest_first = (runs.c.created_at, runs.c.task_id)
+        # Brief rows, as the listings read them: no stored arguments or result.
+        columns = [null().label(column.name) if column.name in _NOT_LISTED else column
+                   for column in runs.c]
+        branches = [select(*columns).where(runs.c.status == status, *conditions)
+                    .order_by(*oldest_first).limit(limit).subquery()
+                    for status in (RUNNING, SLEEPING, WAITING)]
+        merged = union_all(*(select(branch) for branch in branches)).subquery("unfinished")
+        stmt = (select(merged).order_by(merged.c.created_at, merged.c.task_id).limit(limit))
         old = [RunRecord.from_row(row) for row in conn.execute(stmt)]
     return first, int(count or 0), old

@@ -14,6 +14,14 @@ Several sweepers may run at once: each run is claimed for recovery with a
 conditional update on its lease expiry, so only one of them re-sends it, and
 the lease it sets gives the new delivery time to arrive before another sweep.
 
+Due runs (an expired lease, a sleep or a timeout that is up) are read through
+the lease index on every pass, so a pass costs the same however many runs wait.
+A waiting run whose signal or child end was stored but never woke it (the sender
+died in between, or the signal landed at the very moment the run suspended) is
+due by no time: finding one means looking at every waiting run. A sweep looks for
+them on its first pass in a process and then at most every
+:data:`ARRIVALS_EVERY` seconds, so such a run is woken within about that long.
+
 A run the sweep cannot send (its arguments were not recorded or cannot be
 decoded, or its task name is not registered in the sweep's app) would
 otherwise be found again by every sweep, first in line, and a page of them
@@ -50,6 +58,23 @@ class SweepResult:
 
     sent: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+
+
+#: How often (seconds) a sweep in this process also looks for waiting runs whose signal or
+#: child end arrived without waking them; the first sweep of each store always does.
+ARRIVALS_EVERY = 60.0
+# When a sweep in this process last looked for them, per store.
+_arrivals_checked: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+
+def _arrivals_due(store: Any) -> bool:
+    """True when this sweep should also look for arrived signals and child ends."""
+    now = time.monotonic()
+    last = _arrivals_checked.get(store)
+    if last is not None and now - last < ARRIVALS_EVERY:
+        return False
+    _arrivals_checked[store] = now
+    return True
 
 
 # Apps whose task modules a sweep in this process has imported.
@@ -133,8 +158,9 @@ def sweep(app: Any = None, *, limit: int = 100) -> SweepResult:
     registered = _registered(app)
     result = SweepResult()
     seen: set[str] = set()
+    arrivals = _arrivals_due(store)
     while len(result.sent) < limit:
-        found = store.recoverable_runs(limit)
+        found = store.recoverable_runs(limit, arrivals=arrivals)
         fresh = [run for run in found if run.task_id not in seen]
         for run in fresh:
             if len(result.sent) >= limit:

@@ -25,6 +25,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     Column,
+    ColumnElement,
     DateTime,
     Engine,
     ForeignKey,
@@ -39,6 +40,7 @@ from sqlalchemy import (
     and_,
     false,
     func,
+    literal_column,
     select,
     text,
 )
@@ -100,11 +102,13 @@ def build_tables(prefix: str) -> Tables:
         steps.append_column(column)
     signals = _v6_signals(prefix, metadata)
     for name, columns in _v8_indexes(runs):
-        Index(name, *columns)
+        if name not in _v13_replaced(prefix):  # version 13 redefined these two
+            Index(name, *columns)
     # An Index on a table's columns belongs to that table. Version 12 redefined the
     # indexes of versions 2, 6 and 10 except the tombstones' one.
     _pruned_index(runs)
     _v12_indexes(runs)
+    _v13_indexes(runs, steps)
     return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps,
                   signals=signals)
 
@@ -316,6 +320,63 @@ def _v12_indexes(runs: Table) -> list[Index]:
     ]
 
 
+# What version 13 took a step key to be a patch marker by: the marker prefix of _patched,
+# written out for the same reason as V12_FINISHED. A step name cannot hold '/' or '#'.
+V13_MARKER_LIKE = "%patched:%"
+V13_MARKER_PATTERN = r"^(.*/)?(patched:[^/#]*)(#[0-9]+)?$"
+
+
+def marker_name(steps: Table) -> ColumnElement[str]:
+    """The patch marker a step key records (``patched:NAME``), as version 13's index has it.
+
+    Written with literal SQL constants, never bound parameters, so that the
+    expression and the predicate of a query are the index's own even in a
+    prepared statement's generic plan. PostgreSQL only (``regexp_replace``).
+    """
+    return func.regexp_replace(steps.c.step_key, literal_column(f"'{V13_MARKER_PATTERN}'"),
+                               literal_column(r"'\2'"), type_=String)
+
+
+def is_marker(steps: Table) -> ColumnElement[bool]:
+    """True for a step key that may be a patch marker: the marker index's predicate."""
+    return steps.c.step_key.like(literal_column(f"'{V13_MARKER_LIKE}'"))
+
+
+def _v13_replaced(prefix: str) -> set[str]:
+    return {f"{prefix}runs_status_created", f"{prefix}runs_task_created"}
+
+
+def _v13_indexes(runs: Table, steps: Table) -> list[Index]:
+    """The operator side's indexes from version 13, each leaving out what no query reads.
+
+    * ``(status, created_at)`` of the live runs (not pruned): the listing by status,
+      and the bounded count per status, which reads at most a capped number of
+      entries of one status and needs no row (tombstones have no entry);
+    * ``(task_name, status, created_at)`` of the live runs replaces version 8's
+      ``(task_name, created_at)``: the listing by task name merges one range per
+      status, newest first, and the bounded count of one task's runs per status
+      reads one range per status. Task name and creation time never change; the
+      status does, but every update that changes it is already a non-HOT update
+      (other indexes hold it), so this index costs a run's writes what the one it
+      replaces did;
+    * on PostgreSQL, the patch markers of the steps by marker name (and start
+      time, task id): ``patch NAME`` looks one marker up instead of matching every
+      step key against ``%/NAME``. Partial: only marker rows have an entry, so an
+      ordinary step's insert adds nothing to it. SQLite keeps the key match.
+    """
+    prefix = runs.name.removesuffix("runs")
+    live = runs.c.pruned_at.is_(None)
+    marker = is_marker(steps)
+    return [
+        Index(f"{prefix}runs_status_created", runs.c.status, runs.c.created_at,
+              postgresql_where=live, sqlite_where=live),
+        Index(f"{prefix}runs_task_status_created", runs.c.task_name, runs.c.status,
+              runs.c.created_at, postgresql_where=live, sqlite_where=live),
+        Index(f"{prefix}steps_patch_markers", marker_name(steps), steps.c.started_at,
+              steps.c.task_id, postgresql_where=marker).ddl_if(dialect="postgresql"),
+    ]
+
+
 # Each migration declares the tables as they were at its version, so that it means
 # the same thing forever, whatever the current model above has become.
 
@@ -483,6 +544,24 @@ def _v12_partial_run_indexes(conn: Connection, tables: Tables) -> None:
                           f"SET (fillfactor = {RUNS_FILLFACTOR})"))
 
 
+def _v13_operator_indexes(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    quote = conn.dialect.identifier_preparer.quote
+    metadata = MetaData()
+    runs = Table(f"{prefix}runs", metadata, Column("status", String(16)),
+                 Column("task_name", String(255)), Column("created_at", DateTime(timezone=True)),
+                 *_v10_run_columns())
+    steps = Table(f"{prefix}steps", metadata, Column("task_id", String(TASK_ID_LENGTH)),
+                  Column("step_key", String(STEP_KEY_LENGTH)),
+                  Column("started_at", DateTime(timezone=True)))
+    # Like version 12's, each index is built while the runs (or steps) table is locked
+    # against writes, for as long as one read of it takes.
+    for name in sorted(_v13_replaced(prefix)):
+        conn.execute(text(f"DROP INDEX {quote(name)}"))
+    for index in _v13_indexes(runs, steps):
+        index.create(conn)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -498,6 +577,8 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
     (11, "replaced runs point to their replacement", _v11_replacements),
     (12, "partial run indexes that a run's own writes do not touch; runs fill factor",
      _v12_partial_run_indexes),
+    (13, "live-run listing indexes by status and by task and status; patch marker index",
+     _v13_operator_indexes),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

@@ -475,36 +475,50 @@ class Store(WaitStatements):
         with self._write("renewing run leases") as conn:
             return {(row[0], row[1]): row[2] for row in conn.execute(stmt)}
 
-    def recoverable_runs(self, limit: int) -> list[RunRecord]:
+    def recoverable_runs(self, limit: int, *, arrivals: bool = True) -> list[RunRecord]:
         """Runs that need a delivery and will not get one by themselves.
 
         Running runs whose lease expired (their owner died, or their retry
-        never came); sleeping and waiting runs whose time is up; and waiting
-        runs whose signal or child arrived without waking them (the sender
-        died between storing the signal and sending the run). Oldest expiry
-        first; never a pruned run's tombstone.
+        never came); sleeping and waiting runs whose time is up; and, with
+        ``arrivals``, waiting runs whose signal or child arrived without
+        waking them (the sender died between storing the signal and sending
+        the run). Oldest expiry first; never a pruned run's tombstone.
+
+        The due runs are read through the lease index, at most ``limit`` per
+        status, whatever the size of the table. The arrivals are not due by
+        time: finding them means looking at every waiting run (an index range
+        and a key lookup each), which is why the sweep asks for them only now
+        and then (:data:`celery_duraflow._recovery.ARRIVALS_EVERY`).
         """
         runs = self.tables.runs
         signals = self.tables.signals
         child = runs.alias("child")
         now = utc_now()
-        stmt = (
+        # Due runs: one range of (status, lease_expires_at) per status, each stopping
+        # after `limit` rows, so a pass reads only runs that are due. Due at the expiry
+        # itself, as sleep() is: a test clock stopped at a wake-up time finds it due.
+        due = [select(runs).where(runs.c.pruned_at.is_(None), runs.c.status == status,
+                                  runs.c.lease_expires_at <= now)
+               .order_by(runs.c.lease_expires_at).limit(limit).subquery()
+               for status in (RUNNING, SLEEPING, WAITING)]
+        # Waiting runs whose signal or child end arrived without waking them.
+        arrived = (
             select(runs)
-            .where(runs.c.pruned_at.is_(None), or_(
-                # Due at the expiry itself, as sleep() is: a test clock stopped at a
-                # wake-up time finds the run due.
-                and_(runs.c.status.in_((RUNNING, SLEEPING, WAITING)),
-                     runs.c.lease_expires_at <= now),
-                and_(runs.c.status == WAITING, runs.c.wait_kind == "signal",
+            .where(runs.c.pruned_at.is_(None), runs.c.status == WAITING, or_(
+                and_(runs.c.wait_kind == "signal",
                      exists().where(signals.c.task_id == runs.c.task_id,
                                     signals.c.name == runs.c.waiting_for)),
-                and_(runs.c.status == WAITING, runs.c.wait_kind == "child",
+                and_(runs.c.wait_kind == "child",
                      exists().where(child.c.task_id == runs.c.waiting_for,
                                     child.c.status.in_(FINISHED))),
             ))
-            .order_by(runs.c.lease_expires_at)
-            .limit(limit)
+            .order_by(runs.c.lease_expires_at).limit(limit).subquery()
         )
+        branches = (*due, arrived) if arrivals else due
+        merged = union_all(*(select(branch) for branch in branches)).subquery("found")
+        # A run both due and arrived comes once (UNION ALL keeps both copies).
+        stmt = (select(merged).distinct()
+                .order_by(merged.c.lease_expires_at, merged.c.task_id).limit(limit))
         with self._read("looking for runs to wake or recover") as conn:
             return [RunRecord.from_row(row) for row in conn.execute(stmt)]
 

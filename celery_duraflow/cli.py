@@ -160,17 +160,20 @@ def patch(ctx: click.Context, name: str, task_name: str | None, limit: int) -> N
     Those are the runs that started before any run recorded the patch and
     have not recorded it themselves. When none is left, the patch can be
     retired (keep the new branch, delete the patched() call and the old one).
+    The count of runs that recorded it stops at 1,000 (printed 1000+).
     Exit status 0 when none is left, 3 when some are.
     """
     try:
         store = store_for(config_for_app(ctx.obj.app))
-        first, count, old = _admin.patch_status(store, MARKER_PREFIX + name, task_name, limit)
+        first, count, old = _admin.patch_progress(store, MARKER_PREFIX + name, task_name,
+                                                  limit, cap=_admin.COUNT_CAP)
     except DuraflowError as exc:
         _fail(str(exc))
     if first is None:
         ctx.obj.echo(f"patch {name!r}: no run has recorded it yet")
     else:
-        ctx.obj.echo(f"patch {name!r}: recorded by {count} run(s), first at {when(first)} UTC")
+        ctx.obj.echo(f"patch {name!r}: recorded by {_at_least(count)} run(s), first at "
+                     f"{when(first)} UTC")
     if not old:
         ctx.obj.echo("no unfinished run started before it without it: the old branch can go")
         return
@@ -342,15 +345,17 @@ def runs(ctx: click.Context, statuses: list[str], task_name: str | None,
 
     For each run: its task id and name, status, attempts, steps completed
     out of those recorded, when it was created and last updated, and what a
-    sleeping or waiting run waits for. Exit status 0, also when no run
-    matches; 1 when the store cannot be read; 2 for a bad option.
+    sleeping or waiting run waits for. The counts per status stop at 1,000
+    (printed 1,000+), so that they cost the same on a store of millions of
+    runs. Exit status 0, also when no run matches; 1 when the store cannot be
+    read; 2 for a bad option.
     """
     filters: dict[str, Any] = {"statuses": statuses, "task_name": task_name,
                                "older_than": older_than, "newer_than": newer_than}
     try:
         store = _store(ctx)
         found = _admin.summarize_runs(store, limit=limit, **filters)
-        counts = {} if as_json else _admin.count_by_status(store, **filters)
+        counts = None if as_json else _admin.count_by_status_bounded(store, **filters)
     except DuraflowError as exc:
         _fail(str(exc))
     if as_json:
@@ -370,11 +375,17 @@ def runs(ctx: click.Context, statuses: list[str], task_name: str | None,
                "WAITS FOR"]
     for line in _table(headers, rows, shrink=(7, 1), drop=(6, 3, 4, 5)):
         ctx.obj.echo(line)
-    total = sum(counts.values())
-    shown = "all shown" if total <= len(found) else (
+    if counts is None:  # pragma: no cover - --json returned above
+        return
+    total = counts.total
+    shown = "all shown" if total <= len(found) and not counts.bounded else (
         f"newest {len(found)} shown; --limit shows more")
-    by_status = ", ".join(f"{status} {count}" for status, count in counts.items())
-    ctx.obj.echo(f"{total} run(s) match: {by_status} ({shown})")
+    by_status = ", ".join(f"{status} {counts.text(count)}"
+                          for status, count in counts.counts.items())
+    bound = (f"; counted up to {counts.cap:,} per status, so '+' means at least"
+             if counts.bounded else "")
+    ctx.obj.echo(f"{total:,}{'+' if counts.bounded else ''} run(s) match: {by_status} "
+                 f"({shown}{bound})")
 
 
 # -- show ----------------------------------------------------------------------------------
@@ -666,20 +677,25 @@ def prune(ctx: click.Context, older_than: timedelta, statuses: list[str],
     run's tombstone (its task id, task name and final status) makes a late
     redelivery of its task id run nothing; it is no longer listed or shown, and
     it is deleted by a prune once it is older than --tombstones-older-than. Each
-    batch is one transaction. Exit status 0; 1 when the store cannot be reached;
-    2 for a bad option (such as a status of a run that has not ended).
+    batch is one short transaction, reported on stderr as it commits; an
+    interrupted prune keeps the batches it committed, and running it again goes
+    on from there. --dry-run counts up to 1,000 runs (printed 1,000+). Exit
+    status 0; 1 when the store cannot be reached; 2 for a bad option (such as a
+    status of a run that has not ended).
     """
     chosen = statuses or list(_admin.PRUNABLE)
     try:
         store = _store(ctx)
         if dry_run:
             run_count, step_count = _admin.count_prunable(store, older_than=older_than,
-                                                          statuses=chosen)
-            tombstones = _admin.count_tombstones(store, older_than=tombstones_older_than)
+                                                          statuses=chosen, cap=_admin.COUNT_CAP)
+            tombstones = _admin.count_tombstones(store, older_than=tombstones_older_than,
+                                                 cap=_admin.COUNT_CAP)
         else:
             run_count, step_count = _admin.prune(store, older_than=older_than,
                                                  statuses=chosen, batch_size=batch_size,
-                                                 tombstones_older_than=None)
+                                                 tombstones_older_than=None,
+                                                 progress=_prune_progress)
             tombstones = _admin.delete_tombstones(store, older_than=tombstones_older_than,
                                                   batch_size=batch_size)
     except DuraflowError as exc:
@@ -688,11 +704,29 @@ def prune(ctx: click.Context, older_than: timedelta, statuses: list[str],
     graves = (f"{tombstones} tombstone(s) of runs pruned more than "
               f"{_duration_text(tombstones_older_than)} ago")
     if dry_run:
-        ctx.obj.echo(f"would prune {run_count} run(s) ({step_count} steps): {scope}; "
-                     f"would delete {graves}; nothing was deleted (--dry-run)")
+        graves = (f"{_at_least(tombstones)} tombstone(s) of runs pruned more than "
+                  f"{_duration_text(tombstones_older_than)} ago")
+        steps = (f"{step_count}+ steps" if run_count >= _admin.COUNT_CAP
+                 else f"{step_count} steps")
+        bound = (f"; counted up to {_admin.COUNT_CAP:,}, so '+' means at least"
+                 if max(run_count, tombstones) >= _admin.COUNT_CAP else "")
+        ctx.obj.echo(f"would prune {_at_least(run_count)} run(s) ({steps}): {scope}; "
+                     f"would delete {graves}; nothing was deleted (--dry-run{bound})")
     else:
         ctx.obj.echo(f"pruned {run_count} run(s) ({step_count} steps): {scope}; "
                      f"deleted {graves}")
+
+
+def _at_least(count: int) -> str:
+    """A count of at most :data:`_admin.COUNT_CAP`: ``1000+`` when it stopped there."""
+    return f"{count}+" if count >= _admin.COUNT_CAP else str(count)
+
+
+def _prune_progress(batch: _admin.PruneBatch) -> None:
+    # On stderr, so that the summary line stays the output a script reads.
+    click.echo(f"pruned {batch.runs} {batch.status} run(s) ({batch.steps} steps) in "
+               f"{batch.seconds:.2f}s; {batch.runs_total} run(s) ({batch.steps_total} steps) "
+               "so far", err=True)
 
 
 @duraflow.command(cls=CeleryCommand)

@@ -78,7 +78,8 @@ def _check_output(result: subprocess.CompletedProcess[str], *,
     if fresh:
         assert re.search(r"^migrate: applied \d+ migrations, among them "
                          r"duraflow\.0001_schema_v12, duraflow\.0002_run_models, "
-                         r"orders\.0001_initial$", out, re.MULTILINE), _explain(result)
+                         r"duraflow\.0003_schema_v13, orders\.0001_initial$", out,
+                         re.MULTILINE), _explain(result)
     else:
         assert "migrate: nothing to apply" in out, _explain(result)
     assert "place_order was sent with delay_on_commit()" in out, _explain(result)

@@ -390,7 +390,11 @@ def test_migrations_build_the_current_model(make_app: Callable[..., Celery]) -> 
         columns = {c["name"] for c in inspector.get_columns(table.name)}
         assert columns == {c.name for c in table.columns}, table.name
         indexes = {i["name"] for i in inspector.get_indexes(table.name)}
-        assert indexes >= {i.name for i in table.indexes}, table.name
+        expected = {i.name for i in table.indexes}
+        if store.engine.dialect.name != "postgresql":
+            # The patch markers' index is PostgreSQL's only (schema version 13).
+            expected.discard(f"{store.config.table_prefix}steps_patch_markers")
+        assert indexes >= expected, table.name
     # (task_id, step_key) is the primary key: the one unique index of the steps table.
     assert inspector.get_pk_constraint(store.tables.steps.name)["constrained_columns"] == [
         "task_id", "step_key"]

@@ -625,7 +625,7 @@ def test_the_page_query_reads_an_index_and_uses_no_offset(sqlite_app: Celery) ->
     cursor = Cursor(datetime.now(UTC), "some-task-id")
     for status, task_name, index in ((None, None, "runs_created"),
                                      ("failed", None, "runs_status_created"),
-                                     (None, "proj.tasks.book", "runs_task_created")):
+                                     (None, "proj.tasks.book", "runs_task_status_created")):
         query = page_query(store, status=status, task_name=task_name, cursor=cursor, limit=51)
         # (SQLite's compiler writes OFFSET 0 after any LIMIT; PostgreSQL's writes what is asked.)
         on_postgres = str(query.compile(dialect=postgresql.dialect()))
@@ -634,7 +634,8 @@ def test_the_page_query_reads_an_index_and_uses_no_offset(sqlite_app: Celery) ->
         with store.engine.connect() as conn:
             plan = " ".join(str(row[-1]) for row in conn.execute(text(f"EXPLAIN QUERY PLAN {sql}")))
         assert f"USING INDEX {store.config.table_prefix}{index} " in plan, plan
-        assert "SCAN " not in plan, plan
+        # (The listing by task merges one range per status: SQLite scans those results.)
+        assert f"SCAN {store.config.table_prefix}" not in plan, plan
 
 
 def test_sessions_expire_and_cannot_be_forged() -> None:

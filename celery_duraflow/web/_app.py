@@ -203,7 +203,7 @@ class _Handlers:
 
         next_link = link(**page.next_cursor.params()) if page.next_cursor else None
         return self.render(request, "runs.html", page=page, status=status, task_name=task_name,
-                           total=sum(page.counts.values()), link=link, next_link=next_link,
+                           total=page.counts.total, link=link, next_link=next_link,
                            first_page=cursor is None)
 
     async def run(self, request: Request) -> Response:

@@ -78,8 +78,9 @@ class RunsPage:
     rows: list[RunRecord]
     #: Where the next page starts; None on the last page.
     next_cursor: Cursor | None
-    #: Runs per status, for the task name filter alone (statuses with none left out).
-    counts: dict[str, int]
+    #: Runs per status, for the task name filter alone (statuses with none left out),
+    #: each counted up to a cap (:class:`~celery_duraflow._admin.StatusCounts`).
+    counts: _admin.StatusCounts
 
 
 def page_query(store: Store, *, status: str | None, task_name: str | None,
@@ -105,10 +106,11 @@ def _before(cursor: Cursor | None) -> tuple[datetime, str] | None:
 def load_runs_page(store: Store, *, status: str | None, task_name: str | None,
                    cursor: Cursor | None, limit: int) -> RunsPage:
     """One page of runs (one query, asking for one row more to learn whether a page
-    follows) and the counts per status (one ``GROUP BY``)."""
+    follows) and the counts per status, each up to :data:`_admin.COUNT_CAP` (one
+    query whose cost does not grow with the table)."""
     rows = _admin.list_runs(store, statuses=_statuses(status), task_name=task_name,
                             before=_before(cursor), limit=limit + 1, brief=True)
-    counts = _admin.count_by_status(store, task_name=task_name)
+    counts = _admin.count_by_status_bounded(store, task_name=task_name)
     next_cursor = None
     if len(rows) > limit:
         rows = rows[:limit]
