@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import logging
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
@@ -138,6 +140,7 @@ class StepContext:
     """
 
     __slots__ = (
+        "_atask",
         "_block",
         "_claimed",
         "_code_fp",
@@ -184,6 +187,13 @@ class StepContext:
                 step_key=name,
             )
         self._ctx: RunContext = ctx
+        # The asyncio task whose .arun() is running this step's body (None for a step
+        # entered in synchronous code): no other task may reach a step of the run meanwhile.
+        # A step nested in such a body belongs to the same task.
+        self._atask: asyncio.Task[Any] | None = None
+        if ctx.stack and ctx.stack[-1]._atask is not None:
+            _refuse_concurrent(ctx, name, ctx.stack[-1])
+            self._atask = ctx.stack[-1]._atask
         self.key, self.position = ctx.next_key(name)
         ctx.check_order(self.key, self.position)
         self._input_fp: str | None = None
@@ -291,6 +301,52 @@ class StepContext:
         result = self.result
         return result
 
+    async def arun(self, fn: Callable[P, Awaitable[R]], /, *args: P.args,
+                   **kwargs: P.kwargs) -> R:
+        """Await ``fn(*args, **kwargs)`` as this step and return its (stored) result.
+
+        The form of :meth:`run` for coroutine functions, with the same rules: on
+        a replay ``fn`` is not called, and the same idempotency key, in-doubt
+        and fencing apply. The run's context reaches the tasks of an event loop
+        started inside the task (``asyncio.run``). Steps of one run are awaited
+        one at a time: a step reached from another asyncio task while this one's
+        body runs (``asyncio.gather`` of steps) is refused with
+        :class:`~celery_duraflow.UnsupportedCode`, since the order they end in
+        could not be replayed. The step's record is written with the store's
+        blocking driver, so the loop waits for that commit.
+        """
+        if not (inspect.iscoroutinefunction(fn)
+                or inspect.iscoroutinefunction(type(fn).__call__)):
+            # Refused before the body: whatever a plain function does would happen
+            # before this step could know whether it must be skipped.
+            error = UnsupportedCode(
+                f"step {self.key!r} of task {self._ctx.task_id}: .arun() takes a coroutine "
+                f"function (async def), got {describe(fn)}. Use .run() for a plain function.",
+                task_id=self._ctx.task_id, step_key=self.key)
+            self._ctx.fatal = error
+            raise error
+        try:
+            self._atask = asyncio.current_task()
+        except RuntimeError:
+            self._atask = None
+        self._code_fp = code_fingerprint(fn)
+        self._begin()
+        if self.cached:
+            self.code_seen(self._code_fp)
+        if not self._should_run:
+            self._end(None)
+            result: R = self.result
+            return result
+        try:
+            value = await fn(*args, **kwargs)
+        except BaseException as exc:
+            self._end(exc)
+            raise
+        self.result = value
+        self._end(None)
+        result = self.result
+        return result
+
     # -- mechanics ------------------------------------------------------------------------
 
     def _begin(self) -> None:
@@ -303,6 +359,8 @@ class StepContext:
             )
         self._entered = True
         ctx = self._ctx
+        if ctx.stack and ctx.stack[-1]._atask is not None:
+            _refuse_concurrent(ctx, self.key, ctx.stack[-1])
         if keeper().lost(ctx.task_id, ctx.owner):
             raise self._lease_lost()
         prior = ctx.recorded.get(self.key)
@@ -718,6 +776,26 @@ def leave(blocks: tuple[Block, ...], how: int, value: Any = None) -> Any:
         if block.steps:
             block.left, block.data = how, data
     return value
+
+
+def _refuse_concurrent(ctx: RunContext, name: str, running: StepContext) -> None:
+    """Refuse a step reached by another asyncio task while ``running``'s body is awaited."""
+    try:
+        here = asyncio.current_task()
+    except RuntimeError:
+        here = None
+    if here is None or here is running._atask:
+        # The same task, or a thread it waits on (a framework runs a plain function
+        # handed to it in a thread, with the task's context).
+        return
+    error = UnsupportedCode(
+        f"step {name!r} of task {ctx.task_id} was reached while step {running.key!r} is "
+        "running in another asyncio task. The steps of one run must run one at a time: "
+        "the order in which concurrent steps end differs between attempts, so their "
+        "records could not be matched on a replay. Await the steps one after another "
+        "instead of gathering them.", task_id=ctx.task_id, step_key=name)
+    ctx.fatal = error
+    raise error
 
 
 def _decode(ctx: RunContext, record: StepRecord) -> Any:
