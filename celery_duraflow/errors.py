@@ -125,8 +125,11 @@ class InvalidDuration(DuraflowError, ValueError):
 class UnsupportedCode(DuraflowError, TypeError):
     """Code the library cannot replay faithfully, refused where it is prepared.
 
-    An ``async def`` task (Celery calls tasks synchronously), and ``yield``,
-    ``yield from`` or ``await`` inside a ``with step(...)`` body.
+    An ``async def`` task (Celery calls tasks synchronously); ``yield``,
+    ``yield from`` or ``await`` inside a ``with step(...)`` body; a plain
+    function given to ``step().arun()``; and steps of one run awaited
+    concurrently from several asyncio tasks (``asyncio.gather``), whose order
+    could not be replayed.
     """
 
 
