@@ -15,6 +15,7 @@ it starts and the docker compose services agree without sharing a file:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from celery import Celery
@@ -35,11 +36,17 @@ def result_backend_for(broker_url: str) -> str:
 
 BROKER_URL = os.environ.get("CELERY_BROKER_URL") or "memory://"
 
+# The Pydantic AI variant of the agent (example_project.agent) needs the pydantic-ai
+# extra; without it the worker runs the other tasks.
+TASK_MODULES = ["example_project.tasks"]
+if importlib.util.find_spec("pydantic_ai") is not None:
+    TASK_MODULES.append("example_project.agent")
+
 app = Celery(
     "example_project",
     broker=BROKER_URL,
     backend=os.environ.get("CELERY_RESULT_BACKEND") or result_backend_for(BROKER_URL),
-    include=["example_project.tasks"],
+    include=TASK_MODULES,
 )
 app.conf.update(
     task_default_queue=os.environ.get("EXAMPLE_QUEUE") or "example_project",

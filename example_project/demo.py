@@ -25,6 +25,15 @@ Before booking, the durable agent waits for a person's approval. Who gives it:
 ``--naive`` runs the same agent as a plain Celery task without steps (and
 without approval), to show the card being charged twice.
 
+``--pydantic-ai`` runs the agent written with Pydantic AI instead
+(:mod:`example_project.agent`, task ``book_trip_agent``): the same tools,
+wrapped in ``DurableAgent(name="travel-agent")``, whose model requests and
+tool calls are the steps. Its approval is the signal
+``travel-agent:approval:book_flight``, answered the same ways. The model is
+scripted unless ``DURAFLOW_DEMO_MODEL`` names a real one
+(``openai:gpt-4o-mini``). It has no undo for the booking, so it does not
+combine with ``--mailer-down`` (nor with ``--naive``).
+
 ``--mailer-down`` makes the mailer refuse every message of the trip (the demo
 lists the trip in the ``mail_outages`` table before sending it, so the worker
 sees it wherever it runs). The e-mail step then fails on every retry, the trip
@@ -54,7 +63,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -235,12 +244,42 @@ def _handle_approval(trip: Trip, answer: bool | None) -> None:
           f"{json.dumps(payload)}; the run resumes")
 
 
-def _print_trace(db: ExampleDB, trip_id: str) -> None:
+def _print_trace(db: ExampleDB, trip_id: str,
+                 describe: Callable[[str], str] | None = None) -> None:
+    """Print the trace; ``describe(key)`` gives the detail of a line written without one."""
     print("what each attempt did:")
     rows = db.trace(trip_id)
     width = max([15, *(len(row.step_key) for row in rows)])
     for row in rows:
-        print(f"  attempt {row.attempt}  {row.step_key:<{width}} {row.outcome:<7} {row.detail}")
+        detail = row.detail or (describe(row.step_key) if describe else "")
+        print(f"  attempt {row.attempt}  {row.step_key:<{width}} {row.outcome:<7} {detail}")
+
+
+def _agent_step_describer(trip_id: str) -> Callable[[str], str]:
+    """Describe the agent's steps from what the store recorded for them."""
+    from .agent import describe_step
+
+    run = get_run(trip_id, app=app)
+    recorded = {s.key: s for s in run.steps} if run is not None else {}
+
+    def describe(key: str) -> str:
+        found = recorded.get(key)
+        if found is None or found.status != "completed":
+            return ""
+        return describe_step(key, found.result)
+
+    return describe
+
+
+def _print_model_use(db: ExampleDB, trip_id: str) -> None:
+    """How often the agent's model was asked, and how often the store answered instead."""
+    from .agent import MODEL_STEP
+
+    rows = [r for r in db.trace(trip_id) if r.step_key.split("#", 1)[0] == MODEL_STEP]
+    asked = sum(r.outcome == "ran" for r in rows)
+    replayed = sum(r.outcome == "cached" for r in rows)
+    print(f"model: asked {_plural(asked, 'time')}; {_plural(replayed, 'answer')} replayed "
+          "from the store on later attempts, without asking it again")
 
 
 def _undone(run: RunView) -> list[str]:
@@ -249,11 +288,18 @@ def _undone(run: RunView) -> list[str]:
             if s.key.startswith(COMPENSATION_PREFIX) and s.status == "completed"]
 
 
-def _print_durable_summary(trip_id: str) -> tuple[RunView | None, bool | None]:
+def _is_scripted_approval(key: str) -> bool:
+    return key.split("#")[0] == APPROVAL
+
+
+def _print_durable_summary(
+        trip_id: str, *, is_approval: Callable[[str], bool] = _is_scripted_approval,
+        approves: Callable[[Any], bool] = is_approved) -> tuple[RunView | None, bool | None]:
     """Print what celery-duraflow recorded for the run.
 
     Returns the run (None if nothing was recorded) and the answer recorded at
-    the approval wait (None if the run never got one).
+    the approval wait (None if the run never got one). ``is_approval`` tells
+    the approval wait's key, ``approves`` whether its payload says yes.
     """
     run = get_run(trip_id, app=app)
     if run is None:
@@ -262,7 +308,7 @@ def _print_durable_summary(trip_id: str) -> tuple[RunView | None, bool | None]:
     # A wait's row is written twice (when it starts waiting, when it ends), which its
     # attempt counter shows as 2; it has no body, so it is left out here.
     retried = ", ".join(f"{s.key} x{s.attempts}" for s in run.steps
-                        if s.attempts > 1 and s.key.split("#")[0] != APPROVAL)
+                        if s.attempts > 1 and not is_approval(s.key))
     if run.status == "succeeded":
         completed = [s for s in run.steps if s.status == "completed"]
         done = f"{len(completed)}/{len(run.steps)} steps completed"
@@ -273,10 +319,9 @@ def _print_durable_summary(trip_id: str) -> tuple[RunView | None, bool | None]:
     if run.status not in ("succeeded", "compensated") and run.error:
         print(f"duraflow: the run's error: {run.error}")
     approved: bool | None = None
-    with contextlib.suppress(KeyError):
-        wait = run.step(APPROVAL)
-        if wait.status == "completed":
-            approved = is_approved(wait.result.get("payload"))
+    wait = next((s for s in run.steps if is_approval(s.key)), None)
+    if wait is not None and wait.status == "completed":
+        approved = approves(wait.result.get("payload"))
     return run, approved
 
 
@@ -310,13 +355,15 @@ def _plural(count: int, noun: str) -> str:
 
 
 def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str,
-             answer: bool | None = True, mailer_down: bool = False) -> int:
+             answer: bool | None = True, mailer_down: bool = False,
+             pydantic_ai: bool = False) -> int:
     """Book one trip and print what happened; return the exit code.
 
     ``answer`` is what the demo replies when the durable agent asks for
     approval: True (approve), False (decline), or None to leave it to a
     person (``--wait-for-human``). ``mailer_down`` makes the mailer refuse
     every message of this trip, so that it fails for good after booking.
+    ``pydantic_ai`` runs the Pydantic AI agent (``book_trip_agent``).
     """
     in_memory = str(app.conf.broker_url).startswith("memory://")
     with tempfile.TemporaryDirectory(prefix="duraflow-demo-") as tmp, \
@@ -329,8 +376,17 @@ def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str,
         stack.callback(db.dispose)
         db.create_tables()
 
-        task = book_trip_naive if naive else book_trip
-        if naive:
+        task: Any = book_trip_naive if naive else book_trip
+        model = ""
+        if pydantic_ai:
+            # Imported here: it needs the pydantic-ai extra, which the other modes do not.
+            from .agent import book_trip_agent, describe_model
+
+            task = book_trip_agent
+            kind = ("Pydantic AI agent: DurableAgent(name='travel-agent') in a DurableTask "
+                    "+ autoretry; approval by signal")
+            model = describe_model()
+        elif naive:
             kind = "naive agent: plain Celery task + autoretry, no steps, no approval"
         else:
             kind = "durable agent: DurableTask + step() + autoretry + wait_for_signal()"
@@ -341,6 +397,8 @@ def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str,
         else:
             where = "a worker started elsewhere (--no-worker)"
         print(f"{kind}")
+        if model:
+            print(model)
         print(f"database {_describe_url(str(app.conf.duraflow_database_url))}; {where}")
 
         worker: subprocess.Popen[bytes] | None = None
@@ -365,7 +423,10 @@ def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str,
             _handle_approval(trip, answer)
         trip.finish(human=not naive and answer is None)
 
-        _print_trace(db, trip.trip_id)
+        _print_trace(db, trip.trip_id,
+                     _agent_step_describer(trip.trip_id) if pydantic_ai else None)
+        if pydantic_ai:
+            _print_model_use(db, trip.trip_id)
         if result.successful():
             print(f"result: {result.result['answer']}")
         else:
@@ -376,7 +437,13 @@ def run_demo(*, naive: bool, start_own_worker: bool, timeout: float, user: str,
             healthy = bool(result.successful())
             expected_charges = 2
         else:
-            run, approved = _print_durable_summary(trip.trip_id)
+            if pydantic_ai:
+                from .agent import agent_approved, is_approval_key
+
+                run, approved = _print_durable_summary(
+                    trip.trip_id, is_approval=is_approval_key, approves=agent_approved)
+            else:
+                run, approved = _print_durable_summary(trip.trip_id)
             failed_for_good = mailer_down and bool(approved)
             # A person may answer either way; the demo's own answer must be the one recorded.
             healthy = (approved is not None and (answer is None or approved == answer)
@@ -418,6 +485,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                          help="do not answer the approval: print the `celery ... duraflow "
                               "signal` command that does, and wait for someone to run it "
                               "(needs CELERY_BROKER_URL)")
+    parser.add_argument("--pydantic-ai", action="store_true",
+                        help="run the agent written with Pydantic AI, wrapped in "
+                             "DurableAgent: its model requests and tool calls are the steps "
+                             "(a scripted model unless DURAFLOW_DEMO_MODEL names a real one, "
+                             "e.g. openai:gpt-4o-mini)")
     parser.add_argument("--mailer-down", action="store_true",
                         help="make the mailer refuse every e-mail of this trip: the retries "
                              "run out, the trip fails for good, and the booking is "
@@ -445,6 +517,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.mailer_down and args.naive:
         parser.error("the naive agent has no compensation to show: --mailer-down applies "
                      "to the durable one")
+    if args.pydantic_ai and args.naive:
+        parser.error("--naive and --pydantic-ai are two different agents: choose one")
+    if args.pydantic_ai and args.mailer_down:
+        parser.error("the Pydantic AI agent has no undo for its booking: --mailer-down "
+                     "applies to the scripted durable agent")
     if args.mailer_down and args.decline:
         parser.error("a declined trip books nothing and sends no e-mail: --mailer-down "
                      "needs the booking to be approved")
@@ -460,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return run_demo(naive=args.naive, start_own_worker=not args.no_worker,
                         timeout=timeout, user=args.user, answer=answer,
-                        mailer_down=args.mailer_down)
+                        mailer_down=args.mailer_down, pydantic_ai=args.pydantic_ai)
     except DemoError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

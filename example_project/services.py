@@ -15,10 +15,14 @@ import hashlib
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import Any
 
 from sqlalchemy import func, insert, select
 from sqlalchemy.exc import IntegrityError
+
+# Not typing's: before Python 3.12 pydantic, which turns the Pydantic AI agent's tool
+# arguments into JSON schemas (example_project.agent), only accepts this TypedDict.
+from typing_extensions import TypedDict
 
 from .db import ExampleDB, now
 from .planner import BOOK_FLIGHT, NOTIFY_USER, PICK_BEST, SEARCH_FLIGHTS, Action

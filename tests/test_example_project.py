@@ -58,6 +58,16 @@ UNDO_BOOKING = COMPENSATION_PREFIX + BOOK_FLIGHT
 COMPENSATED_STEP_KEYS = [*APPROVED_STEP_KEYS[:-1], UNDO_BOOKING]
 # The task's max_retries: the e-mail is tried once more than that before the trip fails.
 MAX_RETRIES = 3
+# The Pydantic AI variant (`--pydantic-ai`): DurableAgent(name="travel-agent") names its steps.
+AGENT_MODEL = "travel-agent:model"
+AGENT_APPROVAL = "travel-agent:approval:book_flight"
+AGENT_TOOLS = [f"travel-agent:tool:{tool}"
+               for tool in (SEARCH_FLIGHTS, PICK_BEST, BOOK_FLIGHT, NOTIFY_USER)]
+# Every step of its approved trip, in the order the run first reached them: one model
+# request before each tool call, the approval before the booking, and the final answer.
+AGENT_STEP_KEYS = [AGENT_MODEL, AGENT_TOOLS[0], f"{AGENT_MODEL}#2", AGENT_TOOLS[1],
+                   f"{AGENT_MODEL}#3", AGENT_APPROVAL, AGENT_TOOLS[2], f"{AGENT_MODEL}#4",
+                   AGENT_TOOLS[3], f"{AGENT_MODEL}#5"]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -128,9 +138,9 @@ def _recorded_run(url: str, trip_id: str, table_prefix: str = "duraflow_") -> Ru
         close_all_stores()
 
 
-def _approval_payload(run: RunView) -> object:
+def _approval_payload(run: RunView, key: str = APPROVAL) -> object:
     """The payload the run's approval wait received."""
-    wait = run.step(APPROVAL)
+    wait = run.step(key)
     assert wait.status == "completed", wait
     return wait.result["payload"]
 
@@ -207,6 +217,35 @@ def _check_compensated_run(run: RunView | None) -> str:
                            "amount_cents": booking.result["amount_cents"]}
     ref: str = booking.result["booking_ref"]
     return ref
+
+
+def _check_agent_trace(trace: list[tuple[int, str, str]]) -> None:
+    """The Pydantic AI agent: later attempts replay the model's answers and the tools' results."""
+    model = [(a, key, outcome) for a, key, outcome in trace if key.split("#")[0] == AGENT_MODEL]
+    # Attempt 1 asks three times and waits; 2 replays those, asks once more and fails to
+    # e-mail; 3 replays four answers and asks for the last one.
+    assert [(a, o) for a, _, o in model] == [
+        (1, "ran"), (1, "ran"), (1, "ran"),
+        (2, "cached"), (2, "cached"), (2, "cached"), (2, "ran"),
+        (3, "cached"), (3, "cached"), (3, "cached"), (3, "cached"), (3, "ran")], trace
+    for tool in AGENT_TOOLS:  # each tool's body ran once, whatever it took to get there
+        assert [o for _, key, o in trace if key == tool].count("ran") == 1, (tool, trace)
+    assert _outcomes(trace, AGENT_APPROVAL) == [(1, "waiting"), (2, "ran"), (3, "cached")]
+    assert _outcomes(trace, AGENT_TOOLS[2]) == [(2, "ran"), (3, "cached")]
+    assert _outcomes(trace, AGENT_TOOLS[3]) == [(2, "failed"), (3, "ran")]
+    _check_replays(trace)
+    assert max(attempt for attempt, _, _ in trace) == 3
+
+
+def _check_agent_run(run: RunView | None) -> None:
+    """The store's side of the agent's approved trip: every model request and tool call once."""
+    assert run is not None and run.status == "succeeded", run
+    assert [s.key for s in run.steps] == AGENT_STEP_KEYS
+    assert all(s.status == "completed" for s in run.steps)
+    assert _approval_payload(run, AGENT_APPROVAL) == APPROVED
+    assert run.step(AGENT_TOOLS[2]).attempts == 1
+    assert run.step(AGENT_TOOLS[3]).attempts == 2
+    assert run.result["booking"]["booking_ref"] == run.step(AGENT_TOOLS[2]).result["booking_ref"]
 
 
 def _check_naive_trace(trace: list[tuple[int, str, str]]) -> None:
@@ -312,6 +351,52 @@ def test_embedded_demo_mailer_down_cancels_and_refunds_the_booking(tmp_path: Pat
     assert refunded_ref == ref and amount > 0
 
 
+def test_pydantic_ai_demo_replays_model_requests_and_tool_calls(tmp_path: Path) -> None:
+    """`--pydantic-ai` on SQLite: attempt 2 replays the model's answers; one charge."""
+    url = f"sqlite:///{tmp_path / 'demo.sqlite3'}"
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    result = _run_demo("--pydantic-ai", cwd=workdir, env=_env(DURAFLOW_DATABASE_URL=url))
+    assert result.returncode == 0, _explain(result)
+    trip_id = _trip_id(result.stdout)
+    assert "DurableAgent(name='travel-agent')" in result.stdout, _explain(result)
+    assert "a scripted FunctionModel" in result.stdout, _explain(result)
+    assert (f"run {trip_id} is waiting for signal {AGENT_APPROVAL!r}; approving in 1s"
+            in result.stdout), _explain(result)
+    assert (f"duraflow signal {trip_id} {AGENT_APPROVAL} '{{\"approved\": true}}'"
+            in result.stdout), _explain(result)
+    assert f"approved: sent signal {AGENT_APPROVAL!r}" in result.stdout
+    assert "model: asked 5 times; 7 answers replayed from the store" in result.stdout
+    assert ("ledger: 1 charge, 0 refunds for this trip (expected 1 and 0): "
+            "the retry reused the booking") in result.stdout, _explain(result)
+    assert "duraflow: run succeeded after 3 attempts" in result.stdout
+    _check_agent_trace(_trace(result.stdout))
+    assert _ledger_charges(url, "example_", trip_id) == 1
+    _check_agent_run(_recorded_run(url, trip_id))
+
+
+def test_pydantic_ai_demo_decline_books_nothing(tmp_path: Path) -> None:
+    """`--pydantic-ai --decline`: book_flight never runs, the model is told, nothing charged."""
+    url = f"sqlite:///{tmp_path / 'demo.sqlite3'}"
+    workdir = tmp_path / "cwd"
+    workdir.mkdir()
+    result = _run_demo("--pydantic-ai", "--decline", cwd=workdir,
+                       env=_env(DURAFLOW_DATABASE_URL=url))
+    assert result.returncode == 0, _explain(result)
+    assert ("ledger: 0 charges, 0 refunds for this trip (expected 0 and 0)"
+            in result.stdout), _explain(result)
+    trace = _trace(result.stdout)
+    assert _outcomes(trace, AGENT_APPROVAL) == [(1, "waiting"), (2, "ran")]
+    assert [o for _, key, o in trace if key in (AGENT_TOOLS[2], AGENT_TOOLS[3])
+            and o == "ran"] == []
+    _check_replays(trace)
+    trip_id = _trip_id(result.stdout)
+    assert _ledger_charges(url, "example_", trip_id) == 0
+    run = _recorded_run(url, trip_id)
+    assert run is not None and run.status == "succeeded", run
+    assert run.result["booking"] is None and "declined" in run.result["answer"]
+
+
 @pytest.mark.parametrize(("args", "complaint"), [
     (["--no-worker"], "CELERY_BROKER_URL"),
     (["--wait-for-human"], "CELERY_BROKER_URL"),
@@ -319,8 +404,11 @@ def test_embedded_demo_mailer_down_cancels_and_refunds_the_booking(tmp_path: Pat
     (["--decline", "--wait-for-human"], "not allowed with argument"),
     (["--mailer-down", "--naive"], "naive agent has no compensation"),
     (["--mailer-down", "--decline"], "declined trip books nothing"),
+    (["--pydantic-ai", "--naive"], "two different agents"),
+    (["--pydantic-ai", "--mailer-down"], "no undo for its booking"),
 ], ids=["no-worker", "wait-for-human", "naive-decline", "decline-and-wait",
-        "mailer-down-naive", "mailer-down-decline"])
+        "mailer-down-naive", "mailer-down-decline", "pydantic-ai-naive",
+        "pydantic-ai-mailer-down"])
 def test_flags_that_cannot_work_are_refused(tmp_path: Path, args: list[str],
                                             complaint: str) -> None:
     """With the in-memory broker no other process can reach the run: a usage error, no hang."""
@@ -384,6 +472,26 @@ def test_demo_against_postgres_redis_and_a_worker_process(
         assert run is None  # a plain Celery task leaves no run behind
     else:
         _check_approved_run(run)
+
+
+@pytest.mark.postgres
+@pytest.mark.redis
+@pytest.mark.subprocess
+def test_pydantic_ai_demo_against_postgres_redis_and_a_worker_process(
+        tmp_path: Path, services_env: dict[str, str]) -> None:
+    """`--pydantic-ai` through Redis and a prefork worker: replayed model requests, 1 charge."""
+    result = _run_demo("--pydantic-ai", cwd=tmp_path, env=services_env)
+    assert result.returncode == 0, _explain(result)
+    assert "`celery -A example_project.app worker` (prefork x2)" in result.stdout
+    assert "worker exited with code" not in result.stderr, _explain(result)
+    assert ("ledger: 1 charge, 0 refunds for this trip (expected 1 and 0)"
+            in result.stdout), _explain(result)
+    _check_agent_trace(_trace(result.stdout))
+
+    trip_id = _trip_id(result.stdout)
+    url = services_env["DURAFLOW_DATABASE_URL"]
+    assert _ledger_charges(url, services_env["EXAMPLE_TABLE_PREFIX"], trip_id) == 1
+    _check_agent_run(_recorded_run(url, trip_id, services_env["DURAFLOW_TABLE_PREFIX"]))
 
 
 @pytest.mark.postgres
