@@ -522,11 +522,13 @@ def test_mailer_down_against_postgres_redis_and_a_worker_process(
 @pytest.mark.postgres
 @pytest.mark.redis
 @pytest.mark.subprocess
+@pytest.mark.parametrize("agent", [False, True], ids=["scripted", "pydantic-ai"])
 def test_wait_for_human_is_answered_with_the_celery_command(
-        tmp_path: Path, services_env: dict[str, str]) -> None:
+        tmp_path: Path, services_env: dict[str, str], agent: bool) -> None:
     """`--wait-for-human`: the run waits until `celery ... duraflow signal` approves it."""
+    approval = AGENT_APPROVAL if agent else APPROVAL
     command = [sys.executable, "-m", "example_project", "--wait-for-human",
-               "--timeout", str(DEMO_TIMEOUT / 2)]
+               "--timeout", str(DEMO_TIMEOUT / 2), *(["--pydantic-ai"] if agent else [])]
     proc = subprocess.Popen(command, cwd=tmp_path, env=services_env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     # If the demo hangs, stop it, so that reading its output below comes to an end.
@@ -543,22 +545,22 @@ def test_wait_for_human_is_answered_with_the_celery_command(
         printed = seen[-1]
         assert f"CELERY_BROKER_URL={services_env['CELERY_BROKER_URL']}" in printed
         assert f"DURAFLOW_TABLE_PREFIX={services_env['DURAFLOW_TABLE_PREFIX']}" in printed
-        assert f"duraflow signal {trip_id} approval '{{\"approved\": true}}'" in printed
+        assert f"duraflow signal {trip_id} {approval} '{{\"approved\": true}}'" in printed
 
         # Nobody answered yet: the run waits, and nothing is charged.
         url = services_env["DURAFLOW_DATABASE_URL"]
         prefix = services_env["DURAFLOW_TABLE_PREFIX"]
         waiting = _recorded_run(url, trip_id, prefix)
         assert waiting is not None and waiting.status == "waiting"
-        assert (waiting.wait_kind, waiting.waiting_for) == ("signal", APPROVAL)
+        assert (waiting.wait_kind, waiting.waiting_for) == ("signal", approval)
         assert _ledger_charges(url, services_env["EXAMPLE_TABLE_PREFIX"], trip_id) == 0
 
         signal = subprocess.run(
             [sys.executable, "-m", "celery", "-A", "example_project.app", "duraflow", "signal",
-             trip_id, APPROVAL, json.dumps(APPROVED)],
+             trip_id, approval, json.dumps(APPROVED)],
             cwd=tmp_path, env=services_env, capture_output=True, text=True, timeout=60)
         assert signal.returncode == 0, signal.stderr
-        assert f"signal 'approval' stored for {trip_id}" in signal.stdout
+        assert f"signal {approval!r} stored for {trip_id}" in signal.stdout
 
         rest = proc.stdout.read()
         returncode = proc.wait()
@@ -571,9 +573,16 @@ def test_wait_for_human_is_answered_with_the_celery_command(
     assert returncode == 0, output
     assert "ledger: 1 charge, 0 refunds for this trip (expected 1 and 0)" in output, output
     assert "worker exited with code" not in output, output
-    _check_durable_trace(_trace(output))
+    if agent:
+        _check_agent_trace(_trace(output))
+    else:
+        _check_durable_trace(_trace(output))
     assert _ledger_charges(url, services_env["EXAMPLE_TABLE_PREFIX"], trip_id) == 1
-    _check_approved_run(_recorded_run(url, trip_id, prefix))
+    run = _recorded_run(url, trip_id, prefix)
+    if agent:
+        _check_agent_run(run)
+    else:
+        _check_approved_run(run)
 
 
 # -- the pieces the demo relies on -----------------------------------------------------------
