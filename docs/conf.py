@@ -53,6 +53,8 @@ nitpick_ignore_regex = [
     ("py:(class|mod|func|exc|obj)",
      r"(datetime|collections|typing|types|pickle|pathlib|os)(\..*)?"),
     ("py:(class|mod|func|exc|obj)", r"(celery|kombu|sqlalchemy)(\..*)?"),
+    # Pydantic AI, whose types the signatures of celery_duraflow.contrib.pydantic_ai name.
+    ("py:(class|mod|func|exc|obj|meth)", r"(pydantic_ai|pydantic_core|pydantic)(\..*)?"),
 ]
 # Private names that public docstrings and signatures mention. They are not part of the
 # documented API, so there is nothing to link to.
