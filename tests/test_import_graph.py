@@ -19,6 +19,7 @@ and it runs the import machinery on a hot path. Only the optional web extra
 from __future__ import annotations
 
 import ast
+import gc
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -104,6 +105,10 @@ def _imports() -> list[Import]:
     """Every import of a package module written in the package."""
     modules = _modules()
     found: list[Import] = []
+    # CPython 3.11 fails a parse with "AST constructor recursion depth mismatch" when a
+    # collection inside it finalizes a coroutine an earlier test left behind (an agent
+    # run's): collect first, so nothing is left to finalize during the parses.
+    gc.collect()
     for module, path in modules.items():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
         rel = str(path.relative_to(REPO_ROOT))
