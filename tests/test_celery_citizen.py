@@ -31,11 +31,11 @@ from celery_duraflow.errors import RunStateError
 from tests.conftest import drop_project_tables, run_worker, wait_for_status
 from tests.workers import (
     client_app,
+    discard_process,
     log_tail,
     proj_env,
     purge_queue,
     start_worker_process,
-    stop_process,
 )
 
 RESULT_TIMEOUT = 30.0
@@ -102,7 +102,7 @@ def worker(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
                      database_url=pg_url, prefix=prefix)
     finally:
         if process is not None:
-            stop_process(process)
+            discard_process(process)
         try:
             purge_queue(client, queue)
         finally:

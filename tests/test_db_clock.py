@@ -23,11 +23,11 @@ from celery_duraflow._store import close_all_stores
 from tests.conftest import app_factory, drop_project_tables, drop_tables
 from tests.workers import (
     client_app,
+    discard_process,
     log_tail,
     proj_env,
     purge_queue,
     start_worker_process,
-    stop_process,
     wait_for_run,
 )
 
@@ -151,7 +151,7 @@ def test_workers_with_clocks_twenty_minutes_apart_never_take_a_live_run(
         assert datetime.now(UTC) - run.created_at < timedelta(minutes=5)
     finally:
         for process in workers:
-            stop_process(process)
+            discard_process(process)
         for queue in queues:
             purge_queue(client, queue)
         client.close()

@@ -30,10 +30,10 @@ from tests.workers import (
     REPO_ROOT,
     _wait_until_ready,
     client_app,
+    discard_process,
     log_tail,
     proj_env,
     purge_queue,
-    stop_process,
     wait_for_run,
 )
 
@@ -121,7 +121,7 @@ def project(pg_url: str, redis_url: str, table_prefix: str,
         yield proj
     finally:
         for process in proj.processes:
-            stop_process(process)
+            discard_process(process)
         try:
             purge_queue(proj.client, queue)
         finally:

@@ -39,11 +39,11 @@ from tests.conftest import REQUIRE_SERVICES, Broker, drop_project_tables
 from tests.workers import (
     REPO_ROOT,
     client_app,
+    discard_process,
     log_tail,
     proj_env,
     purge_queue,
     start_worker_process,
-    stop_process,
     wait_for_run,
 )
 
@@ -173,7 +173,7 @@ def rabbit_project(pg_url: str, rabbitmq_url: str, redis_url: str, table_prefix:
         yield project
     finally:
         for process in project.processes:
-            stop_process(process)
+            discard_process(process)
         try:
             purge_queue(project.client, queue)
         finally:

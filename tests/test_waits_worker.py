@@ -29,6 +29,7 @@ from tests.conftest import Broker, drop_project_tables
 from tests.workers import (
     REPO_ROOT,
     client_app,
+    discard_process,
     log_tail,
     proj_env,
     purge_queue,
@@ -109,7 +110,7 @@ def project(pg_url: str, broker: Broker, table_prefix: str,
         yield proj
     finally:
         for process in proj.processes:
-            stop_process(process)
+            discard_process(process)
         try:
             purge_queue(proj.client, queue)
         finally:

@@ -25,11 +25,11 @@ from celery_duraflow._store import close_all_stores
 from tests.conftest import Broker, drop_project_tables
 from tests.workers import (
     client_app,
+    discard_process,
     log_tail,
     proj_env,
     purge_queue,
     start_worker_process,
-    stop_process,
 )
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.subprocess]
@@ -83,7 +83,7 @@ def worker(pg_url: str, broker: Broker, table_prefix: str, tmp_path: Path) -> It
                      database_url=pg_url, prefix=table_prefix)
     finally:
         if process is not None:
-            stop_process(process)
+            discard_process(process)
         try:
             purge_queue(client, queue)
         finally:

@@ -30,7 +30,7 @@ from celery_duraflow._store import close_all_stores
 from tests.djangoproj.celery_app import app as project_app
 from tests.djangoproj.shop.models import Order
 from tests.djangoproj.shop.tasks import confirm_order, ping
-from tests.workers import _wait_until_ready, log_tail, purge_queue, stop_process
+from tests.workers import _wait_until_ready, discard_process, log_tail, purge_queue
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULT_TIMEOUT = 60.0
@@ -69,7 +69,7 @@ def worker(django_db_setup: Any, django_db_blocker: Any, redis_url: str,
         _wait_until_ready(process, log_path, 0)
         yield log_path
     finally:
-        stop_process(process)
+        discard_process(process)
         purge_queue(project_app, queue)
 
 
