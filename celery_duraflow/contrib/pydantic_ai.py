@@ -324,7 +324,9 @@ class DurableAgent(Generic[AgentDepsT]):
     every model request and tool call as a step, tool calls one at a time; a run
     that ends with approval requests waits for the signal
     ``<name>:approval:<tool name>`` of each (holding no worker) and then goes on
-    with the answers. Outside a durable task they run the agent unchanged.
+    with the answers. Outside a durable task they run the agent unchanged, as
+    plain Pydantic AI does: there an approval-required tool needs
+    ``DeferredToolRequests`` in the output type, and nothing waits for a signal.
     """
 
     def __init__(self, agent: Agent[AgentDepsT, Any], *, name: str | None = None,
