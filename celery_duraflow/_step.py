@@ -283,22 +283,14 @@ class StepContext:
 
         Needs no preparation: on a replay ``fn`` is not called at all.
         """
-        self._code_fp = code_fingerprint(fn)
-        self._begin()
-        if self.cached:
-            self.code_seen(self._code_fp)
-        if not self._should_run:
+        if self._start(fn):
+            try:
+                self.result = fn(*args, **kwargs)
+            except BaseException as exc:
+                self._end(exc)
+                raise
             self._end(None)
-            result: R = self.result
-            return result
-        try:
-            value = fn(*args, **kwargs)
-        except BaseException as exc:
-            self._end(exc)
-            raise
-        self.result = value
-        self._end(None)
-        result = self.result
+        result: R = self.result
         return result
 
     async def arun(self, fn: Callable[P, Awaitable[R]], /, *args: P.args,
@@ -329,23 +321,27 @@ class StepContext:
             self._atask = asyncio.current_task()
         except RuntimeError:
             self._atask = None
+        if self._start(fn):
+            try:
+                self.result = await fn(*args, **kwargs)
+            except BaseException as exc:
+                self._end(exc)
+                raise
+            self._end(None)
+        result: R = self.result
+        return result
+
+    def _start(self, fn: Callable[..., Any]) -> bool:
+        """Begin the functional form of this step; False when ``fn`` must not be called
+        (the step completed earlier, and ``result`` holds its stored output)."""
         self._code_fp = code_fingerprint(fn)
         self._begin()
         if self.cached:
             self.code_seen(self._code_fp)
         if not self._should_run:
             self._end(None)
-            result: R = self.result
-            return result
-        try:
-            value = await fn(*args, **kwargs)
-        except BaseException as exc:
-            self._end(exc)
-            raise
-        self.result = value
-        self._end(None)
-        result = self.result
-        return result
+            return False
+        return True
 
     # -- mechanics ------------------------------------------------------------------------
 

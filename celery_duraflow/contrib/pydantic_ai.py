@@ -24,8 +24,8 @@ Outside a durable task the wrapped agent runs unchanged: nothing is stored.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Generator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Generator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import timedelta
@@ -368,12 +368,8 @@ class DurableAgent(Generic[AgentDepsT]):
         segment = next(plan)
         while True:
             handler = segment.pop("event_stream_handler", None)
-            token = _stream_handler.set(handler)
-            try:
-                with self.agent.parallel_tool_call_execution_mode("sequential"):
-                    result = self._unwrapped_sync(segment, handler)
-            finally:
-                _stream_handler.reset(token)
+            with self._segment(handler):
+                result = self.agent.run_sync(**segment, event_stream_handler=handler)
             try:
                 segment = plan.send(result)
             except StopIteration as done:
@@ -391,33 +387,29 @@ class DurableAgent(Generic[AgentDepsT]):
         segment = next(plan)
         while True:
             handler = segment.pop("event_stream_handler", None)
-            token = _stream_handler.set(handler)
-            try:
-                with self.agent.parallel_tool_call_execution_mode("sequential"):
-                    try:
-                        result = await self.agent.run(**segment, event_stream_handler=handler)
-                    except BaseExceptionGroup as group:
-                        leaf = _leaf(group)
-                        if leaf is None:
-                            raise
-                        raise leaf from None
-            finally:
-                _stream_handler.reset(token)
+            with self._segment(handler):
+                result = await self.agent.run(**segment, event_stream_handler=handler)
             try:
                 segment = plan.send(result)
             except StopIteration as done:
                 final: AgentRunResult[Any] = done.value
                 return final
 
-    def _unwrapped_sync(self, segment: dict[str, Any],
-                        handler: EventStreamHandler[AgentDepsT] | None) -> AgentRunResult[Any]:
+    @contextmanager
+    def _segment(self, handler: EventStreamHandler[Any] | None) -> Iterator[None]:
+        """Around one of the agent's runs: its stream handler for the model steps, tool
+        calls one at a time, and the library's own exception in place of a group."""
+        token = _stream_handler.set(handler)
         try:
-            return self.agent.run_sync(**segment, event_stream_handler=handler)
+            with self.agent.parallel_tool_call_execution_mode("sequential"):
+                yield
         except BaseExceptionGroup as group:
             leaf = _leaf(group)
             if leaf is None:
                 raise
             raise leaf from None
+        finally:
+            _stream_handler.reset(token)
 
     def _plan(self, user_prompt: Any, kwargs: dict[str, Any],
               ) -> Generator[dict[str, Any], AgentRunResult[Any], AgentRunResult[Any]]:
@@ -428,8 +420,6 @@ class DurableAgent(Generic[AgentDepsT]):
         so a wait's Suspended never passes through the agent's event loop).
         """
         kwargs = dict(kwargs)
-        for reserved in ("user_prompt",):
-            kwargs.pop(reserved, None)
         capabilities = [_Durability[Any](name=self.name), *(kwargs.pop("capabilities", None) or ())]
         output_type = kwargs.pop("output_type", None)
         wanted = output_type if output_type is not None else self.agent.output_type
