@@ -21,20 +21,20 @@ from typing import Any
 import pytest
 from celery import Celery, chain
 from celery.result import AsyncResult
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
 from celery_duraflow import DurableTask, get_run, retry_run, step
 from celery_duraflow._config import config_for_app
 from celery_duraflow._recovery import sweep
-from celery_duraflow._store import Delivery, close_all_stores, store_for
+from celery_duraflow._store import Delivery, store_for
 from celery_duraflow.errors import RunStateError
-from tests.conftest import drop_project_tables, run_worker, wait_for_status
+from tests.conftest import run_worker, wait_for_status
 from tests.workers import (
     client_app,
-    discard_process,
+    end_project,
+    fetch_all,
     log_tail,
     proj_env,
-    purge_queue,
     start_worker_process,
 )
 
@@ -62,14 +62,8 @@ class Worker:
 
     def charges(self, task_id: str) -> dict[str, int]:
         """How many ledger rows each label has under ``task_id``."""
-        engine = create_engine(self.database_url)
-        try:
-            with engine.connect() as conn:
-                rows = conn.execute(text(
-                    f'SELECT user_id, count(*) FROM "{self.prefix}charges" '
-                    "WHERE task_id = :task_id GROUP BY user_id"), {"task_id": task_id}).all()
-        finally:
-            engine.dispose()
+        rows = fetch_all(self.database_url, f'SELECT user_id, count(*) FROM "{self.prefix}charges" '
+                         "WHERE task_id = :task_id GROUP BY user_id", {"task_id": task_id})
         return {label: count for label, count in rows}
 
     def run(self, task_id: str, status: str, timeout: float = RESULT_TIMEOUT) -> Any:
@@ -101,14 +95,7 @@ def worker(pg_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
         yield Worker(process=process, log_path=log_path, queue=queue, client=client,
                      database_url=pg_url, prefix=prefix)
     finally:
-        if process is not None:
-            discard_process(process)
-        try:
-            purge_queue(client, queue)
-        finally:
-            client.close()
-            close_all_stores()
-            drop_project_tables(pg_url, prefix)
+        end_project(client, pg_url, prefix, [process] if process is not None else [], [queue])
 
 
 pytestmark = [pytest.mark.postgres, pytest.mark.redis, pytest.mark.subprocess]

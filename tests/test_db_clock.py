@@ -16,17 +16,16 @@ from pathlib import Path
 
 import pytest
 from celery import Celery
-from sqlalchemy import create_engine, text
 
 from celery_duraflow import DurableTask, get_run, step
 from celery_duraflow._store import close_all_stores
-from tests.conftest import app_factory, drop_project_tables, drop_tables
+from tests.conftest import app_factory, drop_tables
 from tests.workers import (
     client_app,
-    discard_process,
+    end_project,
+    fetch_all,
     log_tail,
     proj_env,
-    purge_queue,
     start_worker_process,
     wait_for_run,
 )
@@ -37,13 +36,8 @@ SHIFT = 600.0  # ten minutes
 
 
 def _database_now(pg_url: str) -> datetime:
-    engine = create_engine(pg_url)
-    try:
-        with engine.connect() as conn:
-            value: datetime = conn.execute(text("SELECT clock_timestamp()")).scalar_one()
-            return value
-    finally:
-        engine.dispose()
+    value: datetime = fetch_all(pg_url, "SELECT clock_timestamp()", {})[0][0]
+    return value
 
 
 @pytest.fixture
@@ -137,23 +131,11 @@ def test_workers_with_clocks_twenty_minutes_apart_never_take_a_live_run(
         client.send_task("proj.slow_charge", args=(9.0,), task_id=task_id, queue=queues[1])
         run = wait_for_run(client, task_id, "succeeded", logs[0], timeout=60)
         time.sleep(2.0)  # the second delivery, if it ran the body, has recorded it by now
-        engine = create_engine(pg_url)
-        try:
-            with engine.connect() as conn:
-                charges = conn.execute(text(
-                    f'SELECT count(*) FROM "{table_prefix}wait_events" '
-                    "WHERE task_id = :t AND event = 'charge'"), {"t": task_id}).scalar_one()
-        finally:
-            engine.dispose()
+        charges = fetch_all(pg_url, f'SELECT count(*) FROM "{table_prefix}wait_events" '
+                            "WHERE task_id = :t AND event = 'charge'", {"t": task_id})[0][0]
         assert charges == 1, (log_tail(logs[0]), log_tail(logs[1]))
         assert abs((run.updated_at - _database_now(pg_url)).total_seconds()) < 60
         assert run.updated_at - run.created_at < timedelta(minutes=1)
         assert datetime.now(UTC) - run.created_at < timedelta(minutes=5)
     finally:
-        for process in workers:
-            discard_process(process)
-        for queue in queues:
-            purge_queue(client, queue)
-        client.close()
-        close_all_stores()
-        drop_project_tables(pg_url, table_prefix)
+        end_project(client, pg_url, table_prefix, workers, queues)

@@ -21,19 +21,16 @@ from pathlib import Path
 import pytest
 from celery import Celery
 from celery.result import AsyncResult
-from sqlalchemy import create_engine, text
 
 from celery_duraflow import RunView, get_run, send_signal
-from celery_duraflow._store import close_all_stores
-from tests.conftest import drop_project_tables
 from tests.workers import (
     REPO_ROOT,
     _wait_until_ready,
     client_app,
-    discard_process,
+    end_project,
+    fetch_all,
     log_tail,
     proj_env,
-    purge_queue,
     wait_for_run,
 )
 
@@ -80,18 +77,11 @@ class Project:
         return wait_for_run(self.client, task_id, status, self.log_path, timeout)
 
     def events(self, task_id: str) -> list[str]:
-        engine = create_engine(self.pg_url)
-        try:
-            with engine.connect() as conn:
-                exists = conn.execute(text("SELECT to_regclass(:t)"),
-                                      {"t": f"{self.prefix}agent_events"}).scalar()
-                if exists is None:
-                    return []
-                rows = conn.execute(text(
-                    f'SELECT event FROM "{self.prefix}agent_events" WHERE task_id = :t '
-                    "ORDER BY id"), {"t": task_id}).all()
-        finally:
-            engine.dispose()
+        if fetch_all(self.pg_url, "SELECT to_regclass(:t)",
+                     {"t": f"{self.prefix}agent_events"})[0][0] is None:
+            return []
+        rows = fetch_all(self.pg_url, f'SELECT event FROM "{self.prefix}agent_events" '
+                         "WHERE task_id = :t ORDER BY id", {"t": task_id})
         return [row[0] for row in rows]
 
     def wait_for_event(self, task_id: str, event: str, timeout: float = 20.0) -> None:
@@ -120,14 +110,7 @@ def project(pg_url: str, redis_url: str, table_prefix: str,
     try:
         yield proj
     finally:
-        for process in proj.processes:
-            discard_process(process)
-        try:
-            purge_queue(proj.client, queue)
-        finally:
-            proj.client.close()
-            close_all_stores()
-            drop_project_tables(pg_url, table_prefix)
+        end_project(proj.client, pg_url, table_prefix, proj.processes, [queue])
 
 
 def _children(worker: subprocess.Popen[bytes]) -> list[int]:

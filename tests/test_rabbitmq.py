@@ -34,15 +34,13 @@ from celery.result import AsyncResult
 from kombu import Connection, Consumer, Producer, Queue
 
 from celery_duraflow import RunView, get_run, send_signal
-from celery_duraflow._store import close_all_stores
-from tests.conftest import REQUIRE_SERVICES, Broker, drop_project_tables
+from tests.conftest import REQUIRE_SERVICES, Broker
 from tests.workers import (
     REPO_ROOT,
     client_app,
-    discard_process,
+    end_project,
     log_tail,
     proj_env,
-    purge_queue,
     start_worker_process,
     wait_for_run,
 )
@@ -172,14 +170,7 @@ def rabbit_project(pg_url: str, rabbitmq_url: str, redis_url: str, table_prefix:
     try:
         yield project
     finally:
-        for process in project.processes:
-            discard_process(process)
-        try:
-            purge_queue(project.client, queue)
-        finally:
-            project.client.close()
-            close_all_stores()
-            drop_project_tables(pg_url, table_prefix)
+        end_project(project.client, pg_url, table_prefix, project.processes, [queue])
 
 
 def test_long_sleep_and_signal_wait_are_woken_from_postgres(rabbit_project: Project) -> None:

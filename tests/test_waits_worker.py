@@ -21,18 +21,16 @@ from pathlib import Path
 import pytest
 from celery import Celery
 from celery.result import AsyncResult
-from sqlalchemy import create_engine, text
 
 from celery_duraflow import RunView, get_run
-from celery_duraflow._store import close_all_stores
-from tests.conftest import Broker, drop_project_tables
+from tests.conftest import Broker
 from tests.workers import (
     REPO_ROOT,
     client_app,
-    discard_process,
+    end_project,
+    fetch_all,
     log_tail,
     proj_env,
-    purge_queue,
     start_worker_process,
     stop_process,
     wait_for_run,
@@ -84,14 +82,8 @@ class Project:
         return wait_for_run(self.client, task_id, status, self.log_path, timeout)
 
     def events(self, task_id: str) -> list[str]:
-        engine = create_engine(self.pg_url)
-        try:
-            with engine.connect() as conn:
-                rows = conn.execute(text(
-                    f'SELECT event FROM "{self.prefix}wait_events" WHERE task_id = :t '
-                    "ORDER BY id"), {"t": task_id}).all()
-        finally:
-            engine.dispose()
+        rows = fetch_all(self.pg_url, f'SELECT event FROM "{self.prefix}wait_events" '
+                         "WHERE task_id = :t ORDER BY id", {"t": task_id})
         return [row[0] for row in rows]
 
 
@@ -109,14 +101,7 @@ def project(pg_url: str, broker: Broker, table_prefix: str,
     try:
         yield proj
     finally:
-        for process in proj.processes:
-            discard_process(process)
-        try:
-            purge_queue(proj.client, queue)
-        finally:
-            proj.client.close()
-            close_all_stores()
-            drop_project_tables(pg_url, table_prefix)
+        end_project(proj.client, pg_url, table_prefix, proj.processes, [queue])
 
 
 def test_sleep_spans_a_worker_restart_and_wakes_on_time(project: Project) -> None:

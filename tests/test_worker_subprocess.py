@@ -18,17 +18,15 @@ from pathlib import Path
 import pytest
 from celery import Celery
 from celery.result import AsyncResult
-from sqlalchemy import create_engine, text
 
 from celery_duraflow import get_run
-from celery_duraflow._store import close_all_stores
-from tests.conftest import Broker, drop_project_tables
+from tests.conftest import Broker
 from tests.workers import (
     client_app,
-    discard_process,
+    end_project,
+    fetch_all,
     log_tail,
     proj_env,
-    purge_queue,
     start_worker_process,
 )
 
@@ -58,14 +56,9 @@ class Worker:
         )
 
     def charges_per_run(self) -> dict[str, int]:
-        engine = create_engine(self.database_url)
-        try:
-            with engine.connect() as conn:
-                rows = conn.execute(text(
-                    f'SELECT task_id, count(*) FROM "{self.prefix}charges" GROUP BY task_id'
-                )).all()
-        finally:
-            engine.dispose()
+        rows = fetch_all(self.database_url,
+                         f'SELECT task_id, count(*) FROM "{self.prefix}charges" GROUP BY task_id',
+                         {})
         return {task_id: count for task_id, count in rows}
 
 
@@ -82,14 +75,8 @@ def worker(pg_url: str, broker: Broker, table_prefix: str, tmp_path: Path) -> It
         yield Worker(process=process, log_path=log_path, queue=queue, client=client,
                      database_url=pg_url, prefix=table_prefix)
     finally:
-        if process is not None:
-            discard_process(process)
-        try:
-            purge_queue(client, queue)
-        finally:
-            client.close()
-            close_all_stores()
-            drop_project_tables(pg_url, table_prefix)
+        end_project(client, pg_url, table_prefix, [process] if process is not None else [],
+                    [queue])
 
 
 def _wait_all(worker: Worker, results: list[AsyncResult]) -> list[object]:

@@ -12,12 +12,17 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from celery import Celery
 from kombu import Connection, Exchange, Queue
+from sqlalchemy import create_engine, text
 
 from celery_duraflow import RunView, get_run
+from celery_duraflow._store import close_all_stores
+from tests.conftest import drop_project_tables
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT = 60.0
@@ -113,6 +118,30 @@ def discard_process(process: subprocess.Popen[bytes]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=STOP_TIMEOUT)
+
+
+def end_project(client: Celery, pg_url: str, prefix: str,
+                processes: Iterable[subprocess.Popen[bytes]], queues: Iterable[str]) -> None:
+    """Undo what a worker test set up: its workers, queues, client, stores and tables."""
+    try:
+        for process in processes:
+            discard_process(process)
+        for queue in queues:
+            purge_queue(client, queue)
+    finally:
+        client.close()
+        close_all_stores()
+        drop_project_tables(pg_url, prefix)
+
+
+def fetch_all(url: str, sql: str, params: Mapping[str, Any]) -> list[Any]:
+    """The rows of one query on a fresh engine (what a worker process wrote)."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return list(conn.execute(text(sql), dict(params)).all())
+    finally:
+        engine.dispose()
 
 
 def purge_queue(client: Celery, queue: str) -> None:
