@@ -154,8 +154,9 @@ def drop_tables(url: str, prefix: str) -> None:
 
 
 # The tables tests/proj (the project run by real `celery worker` processes) creates.
-PROJECT_TABLES = ("charges", "notify_outages", "chaos_charges", "chaos_mail_failures",
-                  "wait_events")
+# tests/test_project_tables.py checks that it names every one.
+PROJECT_TABLES = ("charges", "notify_outages", "chaos_charges", "chaos_ledger",
+                  "chaos_mail_failures", "wait_events", "agent_events")
 
 
 def drop_project_tables(url: str, prefix: str) -> None:
