@@ -23,16 +23,17 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from celery import Celery
 from celery.contrib.testing.worker import start_worker
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 
-from celery_duraflow._schema import build_tables
-from celery_duraflow._store import close_all_stores
+from celery_duraflow._schema import MIGRATIONS, build_tables
+from celery_duraflow._store import Store, close_all_stores
 
 pytest_plugins = ("celery.contrib.pytest",)
 
@@ -151,6 +152,31 @@ def drop_tables(url: str, prefix: str) -> None:
             tables.metadata.drop_all(conn)
     finally:
         engine.dispose()
+
+
+def schema_at(store: Store, version: int) -> Engine:
+    """Build the store's schema as a release at ``version`` left it; the engine that did."""
+    engine = store._transactional()
+    tables = store.tables
+    with engine.begin() as conn:
+        tables.schema_version.create(conn)
+        for number, description, apply in MIGRATIONS[:version]:
+            apply(conn, tables)
+            conn.execute(tables.schema_version.insert().values(
+                version=number, description=description, applied_at=datetime.now(UTC)))
+    return engine
+
+
+def index_definitions(engine: Engine, table: str) -> dict[str, str]:
+    """Each index of ``table`` with the SQL the database keeps for it."""
+    with engine.connect() as conn:
+        if engine.dialect.name == "postgresql":
+            rows = conn.execute(text("SELECT indexname, indexdef FROM pg_indexes "
+                                     "WHERE tablename = :t"), {"t": table})
+        else:
+            rows = conn.execute(text("SELECT name, coalesce(sql, '') FROM sqlite_master "
+                                     "WHERE type = 'index' AND tbl_name = :t"), {"t": table})
+        return {str(name): str(sql) for name, sql in rows}
 
 
 # The tables tests/proj (the project run by real `celery worker` processes) creates.

@@ -27,14 +27,13 @@ from celery_duraflow._config import config_for_app
 from celery_duraflow._records import FINISHED, Delivery
 from celery_duraflow._schema import (
     LATEST_VERSION,
-    MIGRATIONS,
     RUNS_FILLFACTOR,
     V12_FINISHED,
     Tables,
     migrate,
 )
 from celery_duraflow._store import Store, close_all_stores, store_for
-from tests.conftest import drop_tables
+from tests.conftest import drop_tables, index_definitions, schema_at
 
 #: The indexes of the runs table from version 12 on (without the prefix).
 RUN_INDEXES = {
@@ -45,19 +44,6 @@ RUN_INDEXES = {
 
 def _store(app: Celery) -> Store:
     return store_for(config_for_app(app))
-
-
-def _at_version_11(store: Store) -> Engine:
-    """Build the schema as a version-11 release left it; the engine that did."""
-    engine = store._transactional()
-    tables = store.tables
-    with engine.begin() as conn:
-        tables.schema_version.create(conn)
-        for version, description, apply in MIGRATIONS[:11]:
-            apply(conn, tables)
-            conn.execute(tables.schema_version.insert().values(
-                version=version, description=description, applied_at=datetime.now(UTC)))
-    return engine
 
 
 def _rows(engine: Engine, tables: Tables) -> dict[str, list[dict[str, Any]]]:
@@ -73,18 +59,6 @@ def _rows(engine: Engine, tables: Tables) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
-def _index_definitions(engine: Engine, table: str) -> dict[str, str]:
-    """Each index of ``table`` with the SQL the database keeps for it."""
-    with engine.connect() as conn:
-        if engine.dialect.name == "postgresql":
-            rows = conn.execute(text("SELECT indexname, indexdef FROM pg_indexes "
-                                     "WHERE tablename = :t"), {"t": table})
-        else:
-            rows = conn.execute(text("SELECT name, coalesce(sql, '') FROM sqlite_master "
-                                     "WHERE type = 'index' AND tbl_name = :t"), {"t": table})
-        return {str(name): str(sql) for name, sql in rows}
-
-
 def test_the_status_lists_of_the_predicates_are_the_run_statuses() -> None:
     """The ended statuses written into version 12's predicates are those the code ends runs with."""
     assert set(V12_FINISHED) == set(FINISHED)
@@ -95,7 +69,7 @@ def test_a_version_11_database_upgrades_keeping_every_row(
     """Version 12 applies to a version-11 database holding runs, and every row is kept as it was."""
     store = _store(make_app())
     tables = store.tables
-    engine = _at_version_11(store)
+    engine = schema_at(store, 11)
     now = datetime.now(UTC)
     base = {"task_name": "v11.task", "attempts": 1, "created_at": now, "updated_at": now,
             "retries": 0, "recoveries": 0, "interrupted": False}
@@ -141,7 +115,7 @@ def test_the_run_indexes_after_migration(make_app: Callable[..., Celery]) -> Non
     prefix = store.config.table_prefix
     engine = store.engine
     definitions = {name.removeprefix(prefix): sql.lower() for name, sql in
-                   _index_definitions(engine, store.tables.runs.name).items()
+                   index_definitions(engine, store.tables.runs.name).items()
                    if name.startswith(prefix)}
     # Version 13 redefined the two listing indexes (tests/test_schema_v13.py); the rest
     # are version 12's.
@@ -166,10 +140,10 @@ def test_an_upgraded_database_has_the_indexes_of_a_new_one(
     """Migrating 11 to 12 and creating a database from nothing give the same run indexes."""
     app = make_app()
     store = _store(app)
-    engine = _at_version_11(store)
+    engine = schema_at(store, 11)
     migrate(engine, store.tables, store.config.table_prefix)
     prefix = store.config.table_prefix
-    upgraded = _index_definitions(engine, store.tables.runs.name)
+    upgraded = index_definitions(engine, store.tables.runs.name)
     fresh_prefix = f"t{uuid.uuid4().hex[:10]}_"
     fresh_app = Celery("fresh", set_as_current=False)
     fresh_app.conf.update(duraflow_database_url=app.conf.duraflow_database_url,
@@ -177,7 +151,7 @@ def test_an_upgraded_database_has_the_indexes_of_a_new_one(
     fresh = _store(fresh_app)
     try:
         fresh.ensure_schema()
-        created = _index_definitions(fresh.engine, fresh.tables.runs.name)
+        created = index_definitions(fresh.engine, fresh.tables.runs.name)
         assert ({n.replace(prefix, ""): s.replace(prefix, "") for n, s in upgraded.items()}
                 == {n.replace(fresh_prefix, ""): s.replace(fresh_prefix, "")
                     for n, s in created.items()})

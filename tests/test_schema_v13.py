@@ -16,13 +16,13 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from celery import Celery
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Engine, select
 
 from celery_duraflow import _admin
 from celery_duraflow._config import config_for_app
-from celery_duraflow._schema import LATEST_VERSION, MIGRATIONS, migrate
+from celery_duraflow._schema import LATEST_VERSION, migrate
 from celery_duraflow._store import Store, store_for
-from tests.conftest import drop_tables
+from tests.conftest import drop_tables, index_definitions, schema_at
 
 #: The indexes of the runs table from version 13 on (without the prefix).
 RUN_INDEXES = {
@@ -36,28 +36,7 @@ def _store(app: Celery) -> Store:
 
 
 def _index_definitions(engine: Engine, table: str) -> dict[str, str]:
-    """Each index of ``table`` with the SQL the database keeps for it."""
-    with engine.connect() as conn:
-        if engine.dialect.name == "postgresql":
-            rows = conn.execute(text("SELECT indexname, indexdef FROM pg_indexes "
-                                     "WHERE tablename = :t"), {"t": table})
-        else:
-            rows = conn.execute(text("SELECT name, coalesce(sql, '') FROM sqlite_master "
-                                     "WHERE type = 'index' AND tbl_name = :t"), {"t": table})
-        return {str(name): str(sql).lower() for name, sql in rows}
-
-
-def _at_version_12(store: Store) -> Engine:
-    """Build the schema as a version-12 release left it; the engine that did."""
-    engine = store._transactional()
-    tables = store.tables
-    with engine.begin() as conn:
-        tables.schema_version.create(conn)
-        for version, description, apply in MIGRATIONS[:12]:
-            apply(conn, tables)
-            conn.execute(tables.schema_version.insert().values(
-                version=version, description=description, applied_at=datetime.now(UTC)))
-    return engine
+    return {name: sql.lower() for name, sql in index_definitions(engine, table).items()}
 
 
 def _rows(engine: Engine, store: Store) -> dict[str, list[tuple[Any, ...]]]:
@@ -92,7 +71,7 @@ def test_a_version_12_database_upgrades_keeping_its_rows_and_markers(
     """Version 13 applies to a version-12 database, keeps its rows, and patch finds its markers."""
     app = make_app()
     store = _store(app)
-    engine = _at_version_12(store)
+    engine = schema_at(store, 12)
     tables = store.tables
     now = datetime.now(UTC)
     with engine.begin() as conn:
@@ -120,7 +99,7 @@ def test_an_upgraded_database_has_the_indexes_of_a_new_one(
     """Migrating 12 to 13 and creating a database from nothing give the same indexes."""
     app = make_app()
     store = _store(app)
-    engine = _at_version_12(store)
+    engine = schema_at(store, 12)
     migrate(engine, store.tables, store.config.table_prefix)
     prefix = store.config.table_prefix
     fresh_prefix = f"t{uuid.uuid4().hex[:10]}_"
