@@ -117,6 +117,10 @@ class Delivery:
     routing_key: str | None = None
     retries: int = 0
     code_fingerprint: str | None = None
+    #: The message looks like the run's first: no retry, not flagged as redelivered, not
+    #: re-sent after an outage. The start then tries a plain insert of the run's row first
+    #: (one cheap statement), and only where the row exists takes the general path.
+    first: bool = False
 
 
 @dataclass(frozen=True)

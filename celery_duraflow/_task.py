@@ -498,7 +498,9 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                         args_fingerprint=fingerprint, exchange=info.get("exchange") or None,
                         routing_key=info.get("routing_key") or None,
                         retries=int(request.retries or 0),
-                        code_fingerprint=code_fingerprint(self.run))
+                        code_fingerprint=code_fingerprint(self.run),
+                        first=(not request.retries and not info.get("redelivered")
+                               and request.get(OUTAGE_HEADER) is None))
 
     def _not_ours(self, store: Store, config: Config, run: RunRecord,
                   delivery: Delivery) -> RunRecord | None:
@@ -570,6 +572,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         not be taken and no re-send was needed (another delivery took it).
         """
         deadline = time.monotonic() + RETRY_HANDOVER_SECONDS
+        delivery = replace(delivery, first=False)  # the run's row is there
         while time.monotonic() < deadline:
             time.sleep(0.02)
             current, _ = store.begin_attempt(run.task_id, delivery)

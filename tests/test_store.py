@@ -238,22 +238,90 @@ def test_a_forked_child_never_closes_the_connection_its_parent_keeps(
 
 
 def test_succeeded_redelivery_is_one_statement(make_app: Callable[..., Celery]) -> None:
-    """A message for a run that already succeeded costs one statement and runs nothing."""
+    """A retry or flagged redelivery of a run that already succeeded costs one statement and
+    runs nothing; the same message sent twice costs one more (on PostgreSQL, the first
+    delivery's insert), which writes nothing."""
     app = make_app()
+    bodies = Counter[str]()
 
     @app.task(base=DurableTask)
     def task() -> int:
         for i in range(10):
             with step("s") as s:
+                bodies["s"] += 1
                 s.result = i
         return 7
 
     task_id = str(uuid.uuid4())
     assert task.apply(task_id=task_id).get() == 7
     store = _store(app)
+    before = store.get_run(task_id)
+    with count_round_trips(store) as round_trips:
+        assert task.apply(task_id=task_id, retries=1).get() == 7
+    assert round_trips[0] == 1
     with count_round_trips(store) as round_trips:
         assert task.apply(task_id=task_id).get() == 7
-    assert round_trips[0] == 1
+    assert round_trips[0] == (2 if store.dialect == "postgresql" else 1)
+    assert store.get_run(task_id) == before
+    assert bodies["s"] == 10
+
+
+@pytest.mark.postgres
+def test_a_first_delivery_starts_with_one_insert_whose_record_is_the_stored_row(
+        pg_url: str, table_prefix: str) -> None:
+    """A first delivery's start is one statement, and the run it returns equals the row
+    stored (leased to it, attempt 1, no steps)."""
+    store = _store(app_factory(pg_url, table_prefix)())
+    owner = new_owner()
+    delivery = Delivery(task_name="proj.t", owner=owner, args='[[1], {}]',
+                        args_fingerprint="f" * 16, exchange="ex", routing_key="rk",
+                        code_fingerprint="c" * 16, first=True)
+    try:
+        store.ensure_schema()
+        with store.held_connection(), count_round_trips(store) as round_trips:
+            run, steps = store.begin_attempt("first", delivery)
+        assert round_trips[0] == 1
+        assert steps == {}
+        assert run.lease_owner == owner and run.attempts == 1 and run.status == "running"
+        assert store.get_run("first") == run
+    finally:
+        store.close()
+        drop_tables(pg_url, table_prefix)
+
+
+@pytest.mark.postgres
+def test_a_first_delivery_of_a_recorded_run_takes_it_with_its_steps(
+        pg_url: str, table_prefix: str) -> None:
+    """A delivery shaped like a first one whose run is already recorded (a child run, a
+    duplicate, an unflagged redelivery) takes the run with its recorded steps, one round
+    trip after the insert that found the row; a live owner's run is left to its owner."""
+    store = _store(app_factory(pg_url, table_prefix)())
+    first, second, third = new_owner(), new_owner(), new_owner()
+    runs = store.tables.runs
+    now = datetime.now(UTC)
+    try:
+        store.ensure_schema()
+        run, _ = store.begin_attempt("again", Delivery(task_name="proj.t", owner=first,
+                                                       first=True))
+        assert run.lease_owner == first
+        assert store.record_step("again", "s", first, status="completed", started_at=now,
+                                 output="1", serializer="json", new=True, position=1)
+        # Still leased to its first owner: the next delivery gets nothing.
+        run, steps = store.begin_attempt("again", Delivery(task_name="proj.t", owner=second,
+                                                           first=True))
+        assert run.lease_owner == first and steps is None
+        with store.engine.begin() as conn:  # the first owner's lease runs out
+            conn.execute(runs.update().where(runs.c.task_id == "again")
+                         .values(lease_expires_at=now - timedelta(seconds=1)))
+        with store.held_connection(), count_round_trips(store) as round_trips:
+            run, steps = store.begin_attempt("again", Delivery(task_name="proj.t", owner=third,
+                                                               first=True))
+        assert round_trips[0] == 2
+        assert run.lease_owner == third and run.attempts == 2 and run.interrupted
+        assert steps is not None and [(k, r.output) for k, r in steps.items()] == [("s", "1")]
+    finally:
+        store.close()
+        drop_tables(pg_url, table_prefix)
 
 
 def _migrate_in_process(url: str, prefix: str, barrier: Any) -> list[int]:
@@ -547,8 +615,10 @@ def test_the_start_of_an_attempt_finds_steps_by_key_in_a_plan_made_on_an_empty_t
         store.ensure_schema()
         with admin.connect() as conn:  # before the plan is made: an ALTER would renew it
             conn.exec_driver_sql(f"ALTER TABLE {steps} SET (autovacuum_enabled = false)")
-        for n in range(7):  # psycopg prepares the start on its fifth execution
-            assert task.apply(args=(n,)).get() == n
+        # psycopg prepares the start on its fifth execution. As retries, these take the
+        # general start (a first delivery inserts its row with a statement of its own).
+        for n in range(7):
+            assert task.apply(args=(n,), retries=1).get() == n
         with admin.connect() as conn:
             conn.exec_driver_sql(
                 f"INSERT INTO {steps} (task_id, step_key, status, attempts, started_at) "
