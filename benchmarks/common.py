@@ -72,6 +72,28 @@ def libpq_url(sqlalchemy_url: str) -> str:
     return url.set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+TELEMETRY_SWITCH = "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"
+
+
+def telemetry_off() -> None:
+    """Measure the library as a plain install runs it: without OpenTelemetry.
+
+    Its switch-on is automatic wherever its API is installed (as in this
+    repository's development environment, where Pydantic AI brings it too). This
+    switches it off in this process and, through the environment, in every worker
+    the harness starts. The ``telemetry`` section switches it on and off itself and
+    prints what it costs.
+    """
+    names = [name.strip() for name in os.environ.get(TELEMETRY_SWITCH, "").split(",")
+             if name.strip()]
+    if "celery_duraflow" not in names:
+        os.environ[TELEMETRY_SWITCH] = ",".join([*names, "celery_duraflow"])
+    if "celery_duraflow.contrib.opentelemetry" in sys.modules:
+        from celery_duraflow.contrib import opentelemetry
+
+        opentelemetry.uninstrument()
+
+
 def log(message: str) -> None:
     """Progress goes to stderr, results to stdout."""
     print(f"[bench] {message}", file=sys.stderr, flush=True)
@@ -555,31 +577,49 @@ class ExecutedStatement:
     chars: int  # the length psycopg compares with MAX_CACHED_STATEMENT_LENGTH (bytes)
     params: int  # the number of parameters it compares with MAX_CACHED_STATEMENT_PARAMS
     text: str
+    # "psycopg": through Cursor.execute; "libpq": the store's leanest path (prepared on
+    # the connection once, then PQexecPrepared), where psycopg converts nothing.
+    path: str = "psycopg"
 
 
 @contextmanager
 def psycopg_statements() -> Iterator[list[ExecutedStatement]]:
-    """What this thread hands to ``psycopg.Cursor.execute``, whoever calls it.
+    """What this thread hands to ``psycopg.Cursor.execute``, whoever calls it, and the
+    statements the store runs on libpq directly.
 
     SQLAlchemy and the statements the library sends to the psycopg connection directly
     both go through ``Cursor.execute`` (``Connection.execute`` opens a cursor). The query
     is recorded as psycopg sees it: the text with its ``%(name)s`` placeholders, whose
-    encoded length decides whether psycopg caches its conversion.
+    encoded length decides whether psycopg caches its conversion. The store's leanest
+    path (``Database._write_raw``: prepared once, then ``PQexecPrepared``) bypasses
+    ``Cursor.execute``; its statements are recorded with ``path="libpq"``.
     """
+    from celery_duraflow._db import Database
+
     seen: list[ExecutedStatement] = []
     me = threading.get_ident()
     original = psycopg.Cursor.execute
+    original_raw = Database._write_raw
 
     def execute(self: Any, query: Any, params: Any = None, **kwargs: Any) -> Any:
         if threading.get_ident() == me:
             seen.append(_executed(self, query, params))
         return original(self, query, params, **kwargs)
 
+    def write_raw(self: Any, prepared: Any, params: Any) -> Any:
+        if threading.get_ident() == me:
+            raw = (prepared.sql or "").encode()
+            seen.append(ExecutedStatement(len(raw), len(prepared.raw_names),
+                                          raw.decode(errors="replace"), "libpq"))
+        return original_raw(self, prepared, params)
+
     psycopg.Cursor.execute = execute  # type: ignore[method-assign]
+    Database._write_raw = write_raw  # type: ignore[method-assign]
     try:
         yield seen
     finally:
         psycopg.Cursor.execute = original  # type: ignore[method-assign]
+        Database._write_raw = original_raw  # type: ignore[method-assign]
 
 
 def _executed(cursor: Any, query: Any, params: Any) -> ExecutedStatement:
@@ -647,10 +687,11 @@ class DuraflowBench:
         """The library's process-wide store of this app's configuration."""
         return store_for(config_for_app(self.app))
 
-    def run(self, n: int, task_id: str | None = None) -> str:
-        """Apply the durable task in this process (a new task id unless given)."""
+    def run(self, n: int, task_id: str | None = None, retries: int = 0) -> str:
+        """Apply the durable task in this process (a new task id unless given); with
+        ``retries``, as Celery delivers a retry of it."""
         task_id = task_id or f"bench-{uuid.uuid4()}"
-        result = self.task.apply(args=(n,), task_id=task_id)
+        result = self.task.apply(args=(n,), task_id=task_id, retries=retries)
         if not result.successful():
             raise RuntimeError(f"durable run {task_id} of {n} steps failed:\n{result.traceback}")
         if result.result != workload.expected_result(n):

@@ -104,6 +104,7 @@ from .common import (
     ratio,
     sqlite_settings,
     table,
+    telemetry_off,
     timed,
     trace_statements,
 )
@@ -359,7 +360,7 @@ class Harness:
         ]
         longest = max(executed, key=lambda e: e.chars, default=None)
         longest_sent = max(sent, key=lambda e: e.chars, default=None)
-        statement_rows = [[i + 1, e.chars, e.params, _clip(e.text, 90)]
+        statement_rows = [[i + 1, e.path, e.chars, e.params, _clip(e.text, 80)]
                           for i, e in enumerate(executed)]
         lines = [
             "The empty durable task (durable_steps(0): no step) and a plain task with the "
@@ -372,11 +373,13 @@ class Harness:
             table(["task", "runs", "median ms", "min ms", "x floor", "CPU median ms"], rows),
             "",
             "Statements of one empty durable run, as psycopg's Cursor.execute received them "
-            "(chars = the encoded query with its %(name)s placeholders, which psycopg "
-            "compares with MAX_CACHED_STATEMENT_LENGTH = 4096; params = the parameters "
-            "passed, compared with MAX_CACHED_STATEMENT_PARAMS = 50):",
+            "(path psycopg: chars = the encoded query with its %(name)s placeholders, which "
+            "psycopg compares with MAX_CACHED_STATEMENT_LENGTH = 4096; params = the "
+            "parameters passed, compared with MAX_CACHED_STATEMENT_PARAMS = 50) or as the "
+            "store ran them on libpq directly (path libpq: prepared on the connection once, "
+            "then PQexecPrepared, which psycopg does not convert at all):",
             "",
-            table(["#", "chars", "params", "statement"], statement_rows)
+            table(["#", "path", "chars", "params", "statement"], statement_rows)
             if statement_rows else "(none seen: the library did not go through "
                                    "psycopg.Cursor.execute)",
             "",
@@ -416,7 +419,7 @@ class Harness:
             target.measured = f"{chars} chars"
             target.status = "met" if chars <= 4096 else "NOT met"
             target.note = (f"{params} params; "
-                           + ("as psycopg sees it" if executed else "wire text")
+                           + ("as the library sends it" if executed else "wire text")
                            + (f"; wire {longest_sent.chars} chars" if longest_sent and executed
                               else ""))
         else:
@@ -437,7 +440,7 @@ class Harness:
 
         def resume(n: int) -> float:
             df.reset_to_running(ids[n])
-            seconds, used = cpu_timed(_bind(df.run, n, ids[n]))
+            seconds, used = cpu_timed(_bind(df.run, n, ids[n], 1))
             body[n].add(workload.LAST_BODY[0])
             cpu[n].add(used)
             return seconds
@@ -458,12 +461,15 @@ class Harness:
                     samples[n].add(resume(n))
             # A run that already succeeded, delivered again: the recorded result at once.
             for _ in range(s.replay_runs[0]):
-                short.add(timed(_bind(df.run, largest, ids[largest])))
+                short.add(timed(_bind(df.run, largest, ids[largest], 1)))
         counts = {}
         for n in sizes:
             df.reset_to_running(ids[n])
-            counts[n] = count_round_trips(df.engine, _bind(df.run, n, ids[n]))
-        short_counts = count_round_trips(df.engine, _bind(df.run, largest, ids[largest]))
+            counts[n] = count_round_trips(df.engine, _bind(df.run, n, ids[n], 1))
+        short_counts = count_round_trips(df.engine, _bind(df.run, largest, ids[largest], 1))
+        # The same message sent twice (the first-delivery shape): the start's insert
+        # first, then the general statement.
+        duplicate_counts = count_round_trips(df.engine, _bind(df.run, largest, ids[largest]))
         if workload.BODIES_RUN[0] != bodies:
             raise RuntimeError(f"replays ran {workload.BODIES_RUN[0] - bodies} step bodies "
                                "again: the steps were not answered from the store")
@@ -490,10 +496,17 @@ class Harness:
         data.append({"kind": "succeeded", "steps": largest, "runs": len(short),
                      "median_s": short.median, "min_s": short.minimum,
                      "statements": short_counts[0], "round_trips": short_counts[1]})
+        rows.append([f"succeeded run, the same message sent twice ({largest} steps)", "-",
+                     "-", "-", "-", "-", "-", "-", duplicate_counts[0],
+                     _opt(duplicate_counts[1])])
+        data.append({"kind": "duplicate", "steps": largest, "statements": duplicate_counts[0],
+                     "round_trips": duplicate_counts[1]})
         statements, wire = counts[largest]
         self.section("Replay", [
             "Resume: the run row set back to 'running' (the worker died after the last step), "
-            "then the same task id applied again; every step is answered from the store and "
+            "then the same task id applied again as a retry (retries=1; a redelivery that the "
+            "broker flags, as RabbitMQ and kombu's Redis transport do, takes the same path); "
+            "every step is answered from the store and "
             "no step body runs (checked). Per step = (replay - empty replay) / N, medians; "
             "in body = the task body's own time (first line to last) / N, median; CPU = "
             "time.thread_time() of this thread around the apply, median, and per step "
@@ -1260,6 +1273,7 @@ def machine_info(harness: Harness) -> list[list[str]]:
         ["broker", harness.broker_url],
         ["packages", ", ".join(f"{p} {_version(p)}" for p in
                                ("celery", "sqlalchemy", "psycopg", "redis", "dbos"))],
+        ["telemetry", "off, as without the otel extra (the telemetry section measures it)"],
         ["mode", "quick" if harness.sizes is QUICK else "full"],
         ["started", time.strftime("%Y-%m-%d %H:%M:%S %Z")],
     ]
@@ -1305,6 +1319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     selected = _parse_only(args.only)
+    telemetry_off()
 
     conninfo = libpq_url(args.database_url)
     try:

@@ -29,7 +29,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .common import DuraflowBench, default_database_url, drop_prefixed_tables, new_prefix
+from .common import (
+    DuraflowBench,
+    default_database_url,
+    drop_prefixed_tables,
+    new_prefix,
+    telemetry_off,
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tree", action="store_true",
                         help="with --attempt: also print pyinstrument call trees of them")
     args = parser.parse_args(argv)
+    telemetry_off()
     if args.attempt:
         return _attempt_main(args.database_url, args.runs, args.tree, args.interval)
     if args.anatomy:
