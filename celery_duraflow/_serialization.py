@@ -39,15 +39,32 @@ class Serializer(Protocol):
     def loads(self, data: str) -> Any: ...
 
 
+# kombu's encoder and decoder hook, each built once: ``kombu_json.dumps`` and ``loads``
+# build a new encoder or decoder object on every call (json.dumps does for any cls or
+# option), which costs as much as encoding a small value. Neither keeps state between
+# calls, so one object serves every thread.
+# allow_nan=False: NaN and infinity are not JSON and other readers choke on them.
+_ENCODER = kombu_json.JSONEncoder(allow_nan=False, separators=(",", ":"))
+# The canonical form fingerprints are taken of: sorted keys, NaN written as JSON cannot.
+_CANONICAL = kombu_json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+_DECODER = json.JSONDecoder(object_hook=kombu_json.object_hook)
+
+
+def canonical_json(value: Any) -> str:
+    """``value`` as canonical JSON (kombu's types, sorted keys, no spaces)."""
+    return _CANONICAL.encode(value)
+
+
 class JSONSerializer:
     """kombu's JSON with its type markers; refuses what JSON cannot hold."""
 
     def dumps(self, obj: Any) -> str:
-        # allow_nan=False: NaN and infinity are not JSON and other readers choke on them.
-        return str(kombu_json.dumps(obj, allow_nan=False, separators=(",", ":")))  # type: ignore[no-untyped-call]
+        return _ENCODER.encode(obj)
 
     def loads(self, data: str) -> Any:
-        return kombu_json.loads(data)  # type: ignore[no-untyped-call]
+        if isinstance(data, str):
+            return _DECODER.decode(data)
+        return kombu_json.loads(data)
 
 
 class PickleSerializer:
@@ -254,8 +271,7 @@ def encode_arguments(args: Any, kwargs: Any, serializer: Serializer, *,
                                  task_name=task_name,
                                  serializer_name=serializer_name) from error
     try:
-        canonical = str(kombu_json.dumps(payload, sort_keys=True,  # type: ignore[no-untyped-call]
-                                         separators=(",", ":")))
+        canonical = canonical_json(payload)
     except Exception:
         canonical = blob
     return blob, hashlib.sha256(canonical.encode("utf-8")).hexdigest()
@@ -516,8 +532,7 @@ def fingerprint(value: Any, serializer: Serializer) -> str:
     value neither can write gets the hash of its ``repr``.
     """
     try:
-        canonical = str(kombu_json.dumps(value, sort_keys=True,  # type: ignore[no-untyped-call]
-                                         separators=(",", ":")))
+        canonical = canonical_json(value)
     except Exception:
         try:
             canonical = serializer.dumps(value)
