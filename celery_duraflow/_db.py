@@ -137,6 +137,8 @@ class Prepared:
     raw_name: bytes = b""
     raw_sql: bytes = b""
     raw_names: tuple[str, ...] = ()
+    #: ``raw_names`` with each parameter's fixed value (None where the caller gives it).
+    raw_params: tuple[tuple[str, Any], ...] = ()
 
 
 class Executed(NamedTuple):
@@ -742,7 +744,8 @@ class Database:
         numbered = _PLACEHOLDER.sub(placeholder, compiled.string)
         return Prepared(statement, compiled.string, defaults,
                         raw_name=f"duraflow_{os.getpid()}_{next(_raw_names)}".encode(),
-                        raw_sql=numbered.encode(), raw_names=tuple(names))
+                        raw_sql=numbered.encode(), raw_names=tuple(names),
+                        raw_params=tuple((name, defaults.get(name)) for name in names))
 
     def _write_raw(self, prepared: Prepared, params: dict[str, Any]) -> Executed:
         """Run a write that answers only with a row count straight on libpq.
@@ -764,8 +767,8 @@ class Database:
         if prepared.raw_name not in done:
             _check(pgconn, pgconn.prepare(prepared.raw_name, prepared.raw_sql))
             done.add(prepared.raw_name)
-        values = {**(prepared.defaults or {}), **params}
-        args = [_as_text(values[name]) for name in prepared.raw_names]
+        given = params.get
+        args = [_as_text(given(name, fixed)) for name, fixed in prepared.raw_params]
         result = pgconn.exec_prepared(prepared.raw_name, args)
         if (result.status == pq.ExecStatus.FATAL_ERROR
                 and result.error_field(pq.DiagnosticField.SQLSTATE) == _NO_SUCH_STATEMENT
@@ -817,6 +820,11 @@ def _as_text(value: Any) -> bytes | None:
     give each its type)."""
     if value is None:
         return None
+    kind = type(value)
+    if kind is str:
+        return value.encode()  # type: ignore[no-any-return]
+    if kind is int:
+        return str(value).encode()
     if isinstance(value, str):
         return value.encode()
     if isinstance(value, bool):
