@@ -208,6 +208,32 @@ def _hung_up(dbapi_conn: Any) -> str | None:
     return "the server closed the connection while it was idle" if readable else None
 
 
+def _idle_poller(dbapi_conn: Any) -> Any:
+    """A poll object watching a held connection's socket for input, for
+    :func:`_hung_up_polled`; None where poll() is not available."""
+    poll = getattr(select_module, "poll", None)
+    if poll is None:  # pragma: no cover - every platform the tests run on has poll()
+        return None
+    poller = poll()
+    poller.register(dbapi_conn.pgconn.socket, select_module.POLLIN)
+    return poller
+
+
+def _hung_up_polled(dbapi_conn: Any, poller: Any) -> str | None:
+    """:func:`_hung_up` for the attempt's held connection, with a poll object made once
+    for its socket: this check runs twice per step, and building select()'s lists each
+    time costs more than the check itself."""
+    if poller is None:
+        return _hung_up(dbapi_conn)
+    try:
+        if dbapi_conn.closed or dbapi_conn.broken:
+            return "the connection is closed"
+        ready = poller.poll(0)
+    except Exception as exc:
+        return f"the connection is unusable: {exc}"
+    return "the server closed the connection while it was idle" if ready else None
+
+
 def _postgres_engine_events(engine: Engine) -> None:
     """Notice, at no cost, pooled connections the server closed while they sat idle.
 
@@ -508,7 +534,7 @@ class Database:
     def _drop_held(self, *, invalidate: bool) -> None:
         held = self._held
         conn: Connection | None = getattr(held, "conn", None)
-        held.conn = held.cursor = held.driver = None
+        held.conn = held.cursor = held.driver = held.poller = None
         if conn is None:
             return
         try:
@@ -540,16 +566,16 @@ class Database:
             return None
         conn: Connection | None = getattr(held, "conn", None)
         if (conn is not None and held.engine is self._engine and held.pid == os.getpid()
-                and _hung_up(held.driver) is None):
+                and _hung_up_polled(held.driver, held.poller) is None):
             if _clock.due():  # at most once a minute: the database's clock, measured again
                 _measure_clock(held.driver)
-            return conn  # the usual case, checked like a pool checkout, in a select()
+            return conn  # the usual case, checked like a pool checkout, in a poll()
         engine = self.engine
         if conn is not None and held.pid != os.getpid():
             # Inherited across a fork with the main thread's memory: the connection is
             # the parent's. Forget it without a word to the server (closing it would
             # end the parent's session); psycopg does not close it when collected.
-            held.conn = held.cursor = held.driver = None
+            held.conn = held.cursor = held.driver = held.poller = None
             conn = None
         if conn is not None and (conn.closed or conn.invalidated
                                  or getattr(held, "engine", None) is not engine
@@ -560,6 +586,7 @@ class Database:
             conn = engine.connect()
             held.conn, held.engine, held.pid = conn, engine, os.getpid()
             held.driver = conn.connection.driver_connection
+            held.poller = _idle_poller(held.driver)
             held.cursor = held.driver.cursor()
         return conn
 
