@@ -118,8 +118,9 @@ class Delivery:
     retries: int = 0
     code_fingerprint: str | None = None
     #: The message looks like the run's first: no retry, not flagged as redelivered, not
-    #: re-sent after an outage. The start then tries a plain insert of the run's row first
-    #: (one cheap statement), and only where the row exists takes the general path.
+    #: re-sent after an outage, not marked by the library as a run it recorded. The start
+    #: then tries a plain insert of the run's row first (one cheap statement), and only
+    #: where the row exists takes the general path.
     first: bool = False
 
 

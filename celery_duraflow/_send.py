@@ -27,6 +27,27 @@ def _route(run: RunRecord) -> dict[str, Any]:
     return {}
 
 
+#: A header on every message the library sends for a run whose row it has already written
+#: (a re-send, a wake-up, a child run its parent recorded): its start need not try the
+#: first delivery's insert, which would find the row and write nothing.
+RECORDED_HEADER = "duraflow_recorded"
+RECORDED = {RECORDED_HEADER: True}
+
+
+def recorded_headers(headers: Any = None) -> dict[str, Any]:
+    """``headers`` (a signature's own, kept) with :data:`RECORDED_HEADER`."""
+    return {**(headers if isinstance(headers, dict) else {}), **RECORDED}
+
+
+def is_recorded(request: Any) -> bool:
+    """Whether ``request`` came with :data:`RECORDED_HEADER`: a message header reaches a
+    worker's request as an attribute, an eager call's ``headers=`` as ``request.headers``."""
+    if request.get(RECORDED_HEADER):
+        return True
+    headers = request.get("headers")
+    return isinstance(headers, dict) and bool(headers.get(RECORDED_HEADER))
+
+
 def recorded_arguments(run: RunRecord, config: Config) -> tuple[list[Any], dict[str, Any]]:
     """The run's recorded positional and keyword arguments; ValueError if it has none."""
     if run.args is None:
@@ -57,10 +78,11 @@ def send_run(app: Any, run: RunRecord) -> None:
                              "app does not register, so it cannot be run in this process")
         logger.debug("eager app: running task %s (%s) in this process", run.task_id,
                      run.task_name)
-        task.apply(args=args, kwargs=kwargs, task_id=run.task_id, retries=run.retries)
+        task.apply(args=args, kwargs=kwargs, task_id=run.task_id, retries=run.retries,
+                   headers=RECORDED)
         return
     app.send_task(run.task_name, args=args, kwargs=kwargs, task_id=run.task_id,
-                  retries=run.retries, **_route(run))
+                  retries=run.retries, headers=RECORDED, **_route(run))
 
 
 def wake_parent(app: Any, run: RunRecord) -> None:

@@ -138,9 +138,10 @@ class Store(WaitStatements):
         On PostgreSQL a first delivery (``delivery.first``) starts with a plain
         insert of the run's row that does nothing where the row exists: a new
         run, by far the most common start, costs one insert, the least a start
-        can cost. Only where the row was there already (a child run its parent
-        recorded, a duplicate message, a redelivery the broker did not flag)
-        does the general statement follow, one round trip later.
+        can cost. Only where the row was there all the same (a duplicate
+        message, a redelivery the broker did not flag) does the general
+        statement follow, one round trip later; the library marks the messages
+        it sends for recorded runs, which are not first deliveries.
         """
         now = utc_now()
         params = {"p_task_id": task_id, "p_task_name": delivery.task_name,

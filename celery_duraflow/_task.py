@@ -27,7 +27,7 @@ from ._fingerprint import code_fingerprint
 from ._lease import keeper, new_owner, owner_is_gone
 from ._limits import check_task_id
 from ._rewrite import prepare, refuse_async
-from ._send import wake_parent
+from ._send import is_recorded, recorded_headers, wake_parent
 from ._serialization import (
     Serializer,
     decode,
@@ -500,7 +500,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                         retries=int(request.retries or 0),
                         code_fingerprint=code_fingerprint(self.run),
                         first=(not request.retries and not info.get("redelivered")
-                               and request.get(OUTAGE_HEADER) is None))
+                               and request.get(OUTAGE_HEADER) is None
+                               and not is_recorded(request)))
 
     def _not_ours(self, store: Store, config: Config, run: RunRecord,
                   delivery: Delivery) -> RunRecord | None:
@@ -583,7 +584,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         logger.info("task %s: the attempt before retry %d still holds the run; this retry is "
                     "sent again in 1s", run.task_id, delivery.retries)
         try:
-            self.signature_from_request(self.request, countdown=1).apply_async()
+            again = self.signature_from_request(self.request, countdown=1)
+            again.apply_async(headers=recorded_headers(again.options.get("headers")))
         except Exception:
             # The run stays recoverable: the sweep sends it once its lease expires.
             logger.warning("task %s: could not send retry %d again", run.task_id,
@@ -719,7 +721,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
     def _send_later(self, countdown: float) -> None:
         """Send this run again in ``countdown`` seconds (a short sleep or timeout)."""
         try:
-            self.signature_from_request(self.request, countdown=countdown).apply_async()
+            again = self.signature_from_request(self.request, countdown=countdown)
+            again.apply_async(headers=recorded_headers(again.options.get("headers")))
         except Exception:
             # The sweep wakes the run a lease after its time instead.
             logger.warning("task %s: could not send itself for %.1fs from now; the sweep will "
