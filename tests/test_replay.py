@@ -30,7 +30,7 @@ from celery_duraflow import (
     wait_for_signal,
 )
 from celery_duraflow._store import close_all_stores
-from tests.conftest import app_factory, drop_tables
+from tests.conftest import Broker, app_factory, drop_tables
 from tests.test_waits_worker import Project, project
 from tests.workers import REPO_ROOT
 
@@ -58,6 +58,13 @@ def replay_cli(proj: Project, variant: str, *args: str) -> subprocess.CompletedP
         [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "replay", *args],
         cwd=REPO_ROOT, env={**proj.env, "PROJ_REPLAY_VARIANT": variant},
         capture_output=True, text=True, timeout=120, check=False)
+
+
+@pytest.fixture
+def broker(redis_url: str) -> Broker:
+    """Redis only: the replay check reads the store and the code, not the broker (the
+    delivery tests that share the ``project`` fixture run on both brokers)."""
+    return Broker("redis", redis_url, redis_url)
 
 
 @pytest.fixture
