@@ -62,7 +62,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="summarize a py-spy --format raw (collapsed stacks) file")
     parser.add_argument("--anatomy", type=int, default=0, metavar="COUNT",
                         help="instead of profiling, time COUNT single-row writes of growing "
-                             "complexity on scratch tables (what a step row costs the server)")
+                             "complexity on scratch tables (what a step row costs the server), "
+                             "then COUNT starts and ends of a run as the store writes them")
     parser.add_argument("--attempt", action="store_true",
                         help="instead of profiling, split one attempt (an empty durable task "
                              "and a 10-step one) into Celery's apply machinery, each Store "
@@ -76,6 +77,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _attempt_main(args.database_url, args.runs, args.tree, args.interval)
     if args.anatomy:
         print(anatomy(args.database_url, args.anatomy))
+        print()
+        print(run_row_anatomy(args.database_url, args.anatomy))
         return 0
     if args.driver_time:
         return _sql_main(args.database_url, args.runs, args.steps)
@@ -253,6 +256,109 @@ def driver_time(bench: DuraflowBench, runs: int, steps: int) -> str:
         f"({wait_step / floor_wait:.2f}x the floor INSERT's own wait)",
         f"  {(per_step - wait_step) * 1000:.3f} ms client-side Python (the rest)",
     ])
+
+
+def run_row_anatomy(database_url: str, count: int) -> str:
+    """What an empty attempt's two statements cost the server, without the library's Python.
+
+    The store's own first-delivery insert and its finish, prepared on a raw libpq
+    connection and run with ``PQexecPrepared`` (as the store runs them), ``count`` runs
+    of each taking turns with the floor INSERT prepared the same way (a new row of three
+    columns into a table with a primary key only). The same two statements run against
+    the store's runs table and against a copy of it with its primary key only, which
+    tells what the indexes cost the two writes (the copy's finish can be a HOT update:
+    it changes no indexed column). Reported: medians, ratios to the floor, and how many
+    of each table's updates were HOT (``pg_stat_user_tables``).
+    """
+    import uuid
+    from datetime import UTC, datetime
+
+    import psycopg
+
+    from .common import libpq_url
+
+    prefix = new_prefix()
+    bench = DuraflowBench.create(database_url, prefix)
+    statements = bench.store._attempt_statements
+    first, finish = statements["first"], statements["finish"]
+    runs, bare = f"{prefix}runs", f"{prefix}runs_key_only"
+    conn = psycopg.connect(libpq_url(database_url), autocommit=True)
+    pgconn = conn.pgconn
+    try:
+        conn.execute(f'CREATE TABLE "{prefix}floor" (task_id varchar(255) PRIMARY KEY, '
+                     "a integer NOT NULL, b text NOT NULL)")
+        conn.execute(f'CREATE TABLE "{bare}" (LIKE "{runs}" INCLUDING DEFAULTS '
+                     "INCLUDING CONSTRAINTS, PRIMARY KEY (task_id)) "
+                     "WITH (fillfactor = 80)")
+        pgconn.prepare(b"floor", f'INSERT INTO "{prefix}floor" VALUES ($1, 1, \'x\')'.encode())
+        variants = {"floor": b"floor"}
+        for table in (runs, bare):
+            for label, prepared in (("start", first), ("finish", finish)):
+                key = f"{label} {table}".encode()
+                pgconn.prepare(key, prepared.raw_sql.replace(runs.encode(), table.encode()))
+                variants[f"{label} {table}"] = key
+
+        def text(value: object) -> bytes | None:
+            return None if value is None else str(value).encode()
+
+        def values(prepared: Any, given: dict[str, Any]) -> list[Any]:
+            return [text(given.get(name, fixed)) for name, fixed in prepared.raw_params]
+
+        times: dict[str, list[float]] = {name: [] for name in variants}
+        for i in range(count + 100):
+            task_id = f"anatomy-{uuid.uuid4()}"
+            now = datetime.now(UTC).isoformat()
+            start_params = {"p_task_id": task_id, "p_task_name": "bench.durable_steps",
+                            "p_updated_at": now, "p_lease_owner": "anatomy-owner",
+                            "p_lease_expires_at": now, "p_args": "[[0], {}]",
+                            "p_args_fingerprint": "0" * 16, "p_exchange": "",
+                            "p_routing_key": "celery", "p_retries": 0,
+                            "interrupted": "f", "p_code_fingerprint": None}
+            end_params = {"p_status": "succeeded", "p_result": "0", "p_serializer": "json",
+                          "p_updated_at": now, "interrupted": "f", "p_task_id": task_id,
+                          "p_owner": "anatomy-owner"}
+            calls: list[tuple[str, list[Any]]] = [("floor", [text(task_id)])]
+            for table in (runs, bare):
+                calls.append((f"start {table}", values(first, start_params)))
+                calls.append((f"finish {table}", values(finish, end_params)))
+            for label, args in calls:
+                began = time.perf_counter()
+                result = pgconn.exec_prepared(variants[label], args)
+                took = time.perf_counter() - began
+                if result.status != psycopg.pq.ExecStatus.COMMAND_OK or (
+                        result.command_tuples != 1):
+                    raise RuntimeError(f"{label}: {result.error_message.decode()!r}")
+                if i >= 100:  # the first hundred warm up
+                    times[label].append(took)
+        # This backend's counts reach pg_stat_user_tables once they are flushed (PostgreSQL
+        # 15 flushes at most once a second unless asked to).
+        if conn.info.server_version >= 150000:
+            conn.execute("SELECT pg_stat_force_next_flush()")
+            conn.execute("SELECT 1")
+        hot = {table: conn.execute("SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables "
+                                   "WHERE relname = %s", (table,)).fetchone()
+               for table in (runs, bare)}
+    finally:
+        conn.close()
+        drop_prefixed_tables(bench.conninfo, prefix)
+    floor = statistics.median(times["floor"])
+    lines = [f"{count} empty attempts' statements on libpq (PQexecPrepared), taking turns "
+             "with the floor INSERT (median ms, x floor):"]
+    both: dict[str, float] = {}
+    described = {runs: "the store's runs table", bare: "a copy with its primary key only"}
+    for label, samples in times.items():
+        median = statistics.median(samples)
+        table = label.partition(" ")[2]
+        if table:
+            both[table] = both.get(table, 0.0) + median
+        shown = label if not table else f"{label.partition(' ')[0]}, {described[table]}"
+        lines.append(f"  {median * 1000:7.3f} ms {median / floor:5.2f}x  {shown}")
+    for table, total in both.items():
+        updates = hot[table]
+        lines.append(f"  start + finish, {described[table]}: {total / floor:.2f}x the floor; "
+                     f"HOT updates {updates[1] if updates else '?'} of "
+                     f"{updates[0] if updates else '?'}")
+    return "\n".join(lines)
 
 
 def anatomy(database_url: str, count: int) -> str:

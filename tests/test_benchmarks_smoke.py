@@ -99,3 +99,20 @@ def test_trace_parsing_finds_each_statement_text_and_round_trip() -> None:
     intervals = trace_intervals(_TRACE)
     assert len(intervals) == 2
     assert [round(end - start, 6) for start, end in intervals] == [0.001, 0.0005]
+
+
+@pytest.mark.postgres
+def test_anatomy_runs_the_stores_own_start_and_finish_and_sees_which_updates_are_hot(
+    pg_url: str,
+) -> None:
+    """`benchmarks.profile --anatomy` writes with the store's statements; only a key-only copy's
+    finish is a HOT update."""
+    from benchmarks.profile import run_row_anatomy
+
+    report = run_row_anatomy(pg_url, 20)
+    lines = report.splitlines()
+    ours = next(line for line in lines if "start + finish, the store's runs table" in line)
+    bare = next(line for line in lines if "start + finish, a copy with its primary key" in line)
+    # The finish changes the run's status, which the store's indexes hold: never HOT.
+    assert ours.endswith("HOT updates 0 of 120"), report
+    assert bare.endswith("HOT updates 120 of 120"), report
