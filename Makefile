@@ -21,8 +21,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	@touch $@
 
+# Coverage starts before pytest does: pytest loads the package's own plugin (its pytest11
+# entry point) before any plugin's hooks run, so a coverage started by a pytest plugin
+# would miss every module that import brings in. The report follows a failing run too.
 test: venv
-	$(BIN)/pytest --cov=celery_duraflow --cov-report=term-missing:skip-covered $(PYTEST_ARGS)
+	$(BIN)/coverage run -m pytest $(PYTEST_ARGS); status=$$?; \
+	$(BIN)/coverage report; exit $$status
 
 demo: venv
 	$(BIN)/python -m example_project
