@@ -84,10 +84,12 @@ def telemetry_off() -> None:
     the harness starts. The ``telemetry`` section switches it on and off itself and
     prints what it costs.
     """
+    from celery_duraflow._telemetry import INSTRUMENTATION_NAME
+
     names = [name.strip() for name in os.environ.get(TELEMETRY_SWITCH, "").split(",")
              if name.strip()]
-    if "celery_duraflow" not in names:
-        os.environ[TELEMETRY_SWITCH] = ",".join([*names, "celery_duraflow"])
+    if INSTRUMENTATION_NAME not in names:
+        os.environ[TELEMETRY_SWITCH] = ",".join([*names, INSTRUMENTATION_NAME])
     if "celery_duraflow.contrib.opentelemetry" in sys.modules:
         from celery_duraflow.contrib import opentelemetry
 

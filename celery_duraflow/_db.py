@@ -193,45 +193,36 @@ def _use_wal(cursor: Any) -> None:
             time.sleep(0.05)
 
 
-def _hung_up(dbapi_conn: Any) -> str | None:
+def _hung_up(dbapi_conn: Any, poller: Any = None) -> str | None:
     """Why a psycopg connection is visibly unusable, at the cost of one select(); or None.
 
     When PostgreSQL restarts it tells every connection so and closes it; an
-    idle connection then has data or EOF waiting on its socket.
+    idle connection then has data or EOF waiting on its socket. ``poller``, a
+    poll object made once for the connection's socket (:func:`_idle_poller`),
+    replaces the select(): the attempt's held connection is checked twice per
+    step, and building select()'s lists each time costs more than the check.
     """
     try:
         if dbapi_conn.closed or dbapi_conn.broken:
             return "the connection is closed"
-        readable, _, _ = select_module.select([dbapi_conn.pgconn.socket], [], [], 0)
+        if poller is not None:
+            ready = poller.poll(0)
+        else:
+            ready, _, _ = select_module.select([dbapi_conn.pgconn.socket], [], [], 0)
     except Exception as exc:
         return f"the connection is unusable: {exc}"
-    return "the server closed the connection while it was idle" if readable else None
+    return "the server closed the connection while it was idle" if ready else None
 
 
 def _idle_poller(dbapi_conn: Any) -> Any:
     """A poll object watching a held connection's socket for input, for
-    :func:`_hung_up_polled`; None where poll() is not available."""
+    :func:`_hung_up`; None where poll() is not available."""
     poll = getattr(select_module, "poll", None)
     if poll is None:  # pragma: no cover - every platform the tests run on has poll()
         return None
     poller = poll()
     poller.register(dbapi_conn.pgconn.socket, select_module.POLLIN)
     return poller
-
-
-def _hung_up_polled(dbapi_conn: Any, poller: Any) -> str | None:
-    """:func:`_hung_up` for the attempt's held connection, with a poll object made once
-    for its socket: this check runs twice per step, and building select()'s lists each
-    time costs more than the check itself."""
-    if poller is None:
-        return _hung_up(dbapi_conn)
-    try:
-        if dbapi_conn.closed or dbapi_conn.broken:
-            return "the connection is closed"
-        ready = poller.poll(0)
-    except Exception as exc:
-        return f"the connection is unusable: {exc}"
-    return "the server closed the connection while it was idle" if ready else None
 
 
 def _postgres_engine_events(engine: Engine) -> None:
@@ -566,7 +557,7 @@ class Database:
             return None
         conn: Connection | None = getattr(held, "conn", None)
         if (conn is not None and held.engine is self._engine and held.pid == os.getpid()
-                and _hung_up_polled(held.driver, held.poller) is None):
+                and _hung_up(held.driver, held.poller) is None):
             if _clock.due():  # at most once a minute: the database's clock, measured again
                 _measure_clock(held.driver)
             return conn  # the usual case, checked like a pool checkout, in a poll()

@@ -31,12 +31,16 @@ def _route(run: RunRecord) -> dict[str, Any]:
 #: (a re-send, a wake-up, a child run its parent recorded): its start need not try the
 #: first delivery's insert, which would find the row and write nothing.
 RECORDED_HEADER = "duraflow_recorded"
-RECORDED = {RECORDED_HEADER: True}
 
 
 def recorded_headers(headers: Any = None) -> dict[str, Any]:
-    """``headers`` (a signature's own, kept) with :data:`RECORDED_HEADER`."""
-    return {**(headers if isinstance(headers, dict) else {}), **RECORDED}
+    """A new dict: ``headers`` (a signature's own, kept) with :data:`RECORDED_HEADER`."""
+    return {**(headers if isinstance(headers, dict) else {}), RECORDED_HEADER: True}
+
+
+def send_recorded(signature: Any) -> Any:
+    """``signature.apply_async()`` for a run whose row is written, marked as such."""
+    return signature.apply_async(headers=recorded_headers(signature.options.get("headers")))
 
 
 def is_recorded(request: Any) -> bool:
@@ -79,10 +83,10 @@ def send_run(app: Any, run: RunRecord) -> None:
         logger.debug("eager app: running task %s (%s) in this process", run.task_id,
                      run.task_name)
         task.apply(args=args, kwargs=kwargs, task_id=run.task_id, retries=run.retries,
-                   headers=RECORDED)
+                   headers=recorded_headers())
         return
     app.send_task(run.task_name, args=args, kwargs=kwargs, task_id=run.task_id,
-                  retries=run.retries, headers=RECORDED, **_route(run))
+                  retries=run.retries, headers=recorded_headers(), **_route(run))
 
 
 def wake_parent(app: Any, run: RunRecord) -> None:

@@ -27,7 +27,7 @@ from ._fingerprint import code_fingerprint
 from ._lease import keeper, new_owner, owner_is_gone
 from ._limits import check_task_id
 from ._rewrite import prepare, refuse_async
-from ._send import is_recorded, recorded_headers, wake_parent
+from ._send import is_recorded, send_recorded, wake_parent
 from ._serialization import (
     Serializer,
     decode,
@@ -584,8 +584,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         logger.info("task %s: the attempt before retry %d still holds the run; this retry is "
                     "sent again in 1s", run.task_id, delivery.retries)
         try:
-            again = self.signature_from_request(self.request, countdown=1)
-            again.apply_async(headers=recorded_headers(again.options.get("headers")))
+            send_recorded(self.signature_from_request(self.request, countdown=1))
         except Exception:
             # The run stays recoverable: the sweep sends it once its lease expires.
             logger.warning("task %s: could not send retry %d again", run.task_id,
@@ -721,8 +720,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
     def _send_later(self, countdown: float) -> None:
         """Send this run again in ``countdown`` seconds (a short sleep or timeout)."""
         try:
-            again = self.signature_from_request(self.request, countdown=countdown)
-            again.apply_async(headers=recorded_headers(again.options.get("headers")))
+            send_recorded(self.signature_from_request(self.request, countdown=countdown))
         except Exception:
             # The sweep wakes the run a lease after its time instead.
             logger.warning("task %s: could not send itself for %.1fs from now; the sweep will "

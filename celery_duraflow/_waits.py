@@ -29,7 +29,7 @@ from ._config import Config, app_and_config
 from ._context import ReplayStop, RunContext, Suspended, current_run, describe
 from ._limits import check_signal_name, check_task_id, moment
 from ._limits import seconds as checked_seconds
-from ._send import recorded_headers, send_run
+from ._send import send_recorded, send_run
 from ._serialization import decode, encode_arguments, get_serializer
 from ._step import check_name
 from ._store import (
@@ -394,7 +394,7 @@ def _start_child(wait: _Wait, signature: Any, child_id: str) -> None:
     clone.set(task_id=child_id)
     # No broker round trip for the child's result: the parent reads it from the store.
     # Its row is written: the child's start goes straight to taking it.
-    clone.apply_async(headers=recorded_headers(clone.options.get("headers")))
+    send_recorded(clone)
     logger.info("task %s started child %s (%s) at %r", ctx.task_id, child_id, signature.task,
                 wait.key)
 
