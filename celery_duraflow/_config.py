@@ -49,9 +49,16 @@ KNOWN_KEYS = (
 # turns them off. Statement pooling cannot work: migrations and atomic steps need
 # transactions of several statements.
 POOLERS = ("auto", "none", "session", "transaction")
-# Environment variables the library reads besides the settings (the web view's token),
-# and prefixes left to test suites and benchmarks (this project's own use them).
-_OTHER_ENVIRONMENT = ("DURAFLOW_WEB_TOKEN",)
+# Settings of the Django app (celery_duraflow.contrib.django) alone, read from Django's
+# settings as ``DURAFLOW_<KEY>`` or ``CELERY_DURAFLOW_<KEY>``: ``celery_app`` names the
+# Celery app of the admin's actions. A Django project's Celery app, configured from those
+# settings, sees them too and accepts them; any other Celery app and the environment
+# refuse them, since nothing there reads them.
+DJANGO_KEYS = ("celery_app",)
+# Environment variables read besides the settings: the web view's token, and the model of
+# the example project's agent demo (``python -m example_project --pydantic-ai``). Then the
+# prefixes left to test suites and benchmarks (this project's own use them).
+_OTHER_ENVIRONMENT = ("DURAFLOW_WEB_TOKEN", "DURAFLOW_DEMO_MODEL")
 _RESERVED_ENVIRONMENT = ("DURAFLOW_TEST_", "DURAFLOW_BENCH_", "DURAFLOW_REQUIRE_")
 # Settings that only make sense as Python objects, not as environment strings.
 _NOT_FROM_ENVIRONMENT = ("engine_options",)
@@ -139,11 +146,13 @@ def _suggest(key: str, written: str) -> str:
     return f" Did you mean {suggestion}?"
 
 
-def check_keys(conf: Any, env: Mapping[str, str]) -> None:
+def check_keys(conf: Any, env: Mapping[str, str], *, django_project: bool = False) -> None:
     """Refuse ``duraflow_*`` settings and ``DURAFLOW_*`` variables that do not exist.
 
     A misspelled ``duraflow_databse_url`` would otherwise leave every worker
-    quietly on its own SQLite file.
+    quietly on its own SQLite file. The Django app's own settings
+    (:data:`DJANGO_KEYS`) are accepted in a Django project's configuration
+    (``django_project``) and refused everywhere else, where nothing reads them.
     """
     try:
         names = [str(name) for name in conf]
@@ -154,7 +163,14 @@ def check_keys(conf: Any, env: Mapping[str, str]) -> None:
         for prefix in ("celery_duraflow_", "duraflow_"):
             if lowered.startswith(prefix):
                 key = lowered.removeprefix(prefix)
-                if key not in KNOWN_KEYS:
+                if key in DJANGO_KEYS and not django_project:
+                    raise ConfigurationError(
+                        f"{name} is a setting of the Django app ({django_alias.APP_NAME}), "
+                        "read from Django's settings as "
+                        f"DURAFLOW_{key.upper()}; this Celery app is not configured from "
+                        "the settings of a Django project that installs that app, so nothing "
+                        "would read it. Move it to settings.py, or remove it.")
+                if key not in KNOWN_KEYS and key not in DJANGO_KEYS:
                     raise ConfigurationError(
                         f"{name} is not a celery-duraflow setting.{_suggest(key, name)} The "
                         f"settings are duraflow_{', duraflow_'.join(KNOWN_KEYS)}.")
@@ -164,6 +180,11 @@ def check_keys(conf: Any, env: Mapping[str, str]) -> None:
                 _RESERVED_ENVIRONMENT):
             continue
         key = name.removeprefix("DURAFLOW_").lower()
+        if key in DJANGO_KEYS:
+            raise ConfigurationError(
+                f"the environment variable {name} is not read: DURAFLOW_{key.upper()} is a "
+                f"setting of the Django app ({django_alias.APP_NAME}), read from Django's "
+                "settings only. Set it in settings.py.")
         if key in _NOT_FROM_ENVIRONMENT:
             raise ConfigurationError(
                 f"the environment variable {name} cannot set duraflow_{key}: set it in the "
@@ -240,7 +261,7 @@ def load_config(conf: Any, environ: Mapping[str, str] | None = None, *,
     ``manage.py migrate`` keeps (``duraflow_auto_migrate`` is then off unless set).
     """
     env = os.environ if environ is None else environ
-    check_keys(conf, env)
+    check_keys(conf, env, django_project=django_project)
 
     url, alias, alias_connect_args = _store_database(conf, env, django_project)
 

@@ -214,3 +214,25 @@ def test_worker_says_which_store_it_uses(tmp_path: Path, monkeypatch: pytest.Mon
     assert len(warnings) == 1 and "durable on this host only" in warnings[0]
     assert any("db.example:5432/runs" in m and "***" in m for m in messages)
     assert not any("hunter2-pw" in m for m in messages)
+
+
+@pytest.mark.parametrize("conf", [{"duraflow_celery_app": "proj.celery.app"},
+                                  {"CELERY_DURAFLOW_CELERY_APP": "proj.celery.app"}])
+def test_the_django_apps_own_setting_is_refused_outside_a_django_project(
+        conf: dict[str, object]) -> None:
+    """DURAFLOW_CELERY_APP in a plain Celery app's conf is refused, naming settings.py."""
+    with pytest.raises(ConfigurationError, match=r"setting of the Django app .*settings\.py"):
+        load_config(conf, environ={})
+    assert load_config(conf, environ={}, django_project=True).django_alias == "default"
+
+
+def test_the_django_apps_own_setting_is_refused_in_the_environment() -> None:
+    """A DURAFLOW_CELERY_APP environment variable is refused: only Django's settings hold it."""
+    with pytest.raises(ConfigurationError, match="read from Django's settings only"):
+        load_config({}, environ={"DURAFLOW_CELERY_APP": "proj.celery.app"})
+
+
+def test_the_demos_model_variable_is_not_a_setting_typo() -> None:
+    """DURAFLOW_DEMO_MODEL, which the agent demo documents, does not stop a worker's config."""
+    config = load_config({}, environ={"DURAFLOW_DEMO_MODEL": "openai:gpt-4o-mini"})
+    assert config.table_prefix == "duraflow_"

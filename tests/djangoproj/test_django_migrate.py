@@ -267,3 +267,15 @@ def test_unmigrated_alias_says_manage_py_migrate(store: Any) -> None:
     assert ran == []
     assert type(result.result).__name__ == "StoreMisconfigured"
     assert f"python manage.py migrate --database {store.django_alias}" in str(result.result)
+
+
+@pytest.mark.parametrize("store", ["default"], indirect=True)
+@pytest.mark.parametrize("setting", ["DURAFLOW_CELERY_APP", "CELERY_DURAFLOW_CELERY_APP"])
+def test_migrate_accepts_the_admins_celery_app_setting(store: Any, setting: str) -> None:
+    """The documented DURAFLOW_CELERY_APP setting (either spelling) does not stop migrate."""
+    alias, url, prefix = store.django_alias, store.database_url, store.table_prefix
+    with override_settings(**{setting: "tests.djangoproj.celery_app.app"}):
+        migrate(alias)
+        # The project's Celery app reads the CELERY_ spelling too, and accepts it.
+        assert run_a_task(alias) == "succeeded"
+    assert [row[0] for row in schema_rows(url, prefix)] == list(range(1, LATEST_VERSION + 1))
