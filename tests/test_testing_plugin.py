@@ -617,3 +617,87 @@ def test_inserted_step(duraflow_store):
         duraflow_store.assert_replays("order-o-7.json")
 ''')
     run_session(pytester).assert_outcomes(passed=2)
+
+
+# A user's conftest giving the tests their own tables (what atomic steps write), and the
+# tests that use them: the rows an atomic step wrote are there once, and a test after it
+# starts with the tables empty again.
+USER_TABLES = USER_APP + '''
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+orders = sa.Table(f"orders_{{TAG}}", metadata, sa.Column("id", sa.Integer, primary_key=True),
+                  sa.Column("cart", sa.String(40), nullable=False))
+SEEDED = []
+
+
+def seed(conn):
+    SEEDED.append(conn.execute(sa.select(sa.func.count()).select_from(orders)).scalar())
+
+
+@pytest.fixture
+def duraflow_tables():
+    return [metadata, seed]
+
+
+@app.task(base=DurableTask, autoretry_for=(ConnectionError,), max_retries=2)
+def place_order(cart, fail_times):
+    with step("save-order", atomic=True) as s:
+        s.result = s.connection.execute(orders.insert().values(cart=cart)).inserted_primary_key[0]
+    with step("notify") as s:
+        if fail_times > place_order.request.retries:
+            raise ConnectionError("mailer down")
+        s.result = "sent"
+    return s.result
+
+
+def count(duraflow_store):
+    with duraflow_store.engine.connect() as conn:
+        return conn.execute(sa.select(sa.func.count()).select_from(orders)).scalar()
+
+
+@pytest.mark.parametrize("cart", ["c1", "c2"])
+def test_atomic_step_writes_its_row_once(duraflow_store, cart):
+    run = duraflow_store.start(place_order, cart, 2)
+    assert run.status == "succeeded"
+    assert SEEDED[-1] == 0                   # the function saw the new, empty table
+    assert count(duraflow_store) == 1        # the retries replayed the atomic step
+    duraflow_store.assert_step_ran_once(run, "save-order")
+'''
+
+
+def test_duraflow_tables_creates_the_tables_atomic_steps_write(
+        pytester: pytest.Pytester, sqlite_default: None) -> None:
+    """Overriding duraflow_tables creates a test's own tables beside each fresh SQLite store."""
+    pytester.makepyfile(test_orders=USER_TABLES.replace("{{TAG}}", "lite"))
+    run_session(pytester).assert_outcomes(passed=2)
+
+
+@pytest.mark.postgres
+def test_duraflow_tables_are_created_and_dropped_on_postgres(
+        pytester: pytest.Pytester, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On PostgreSQL the duraflow_tables MetaData tables are created per test and then dropped."""
+    tag = uuid.uuid4().hex[:8]
+    pytester.makepyfile(test_orders=USER_TABLES.replace("{{TAG}}", tag))
+    monkeypatch.setenv("DURAFLOW_TEST_DATABASE_URL", pg_url)
+    run_session(pytester).assert_outcomes(passed=2)
+    assert _tables_named(pg_url, f"orders_{tag}") == []
+
+
+def test_duraflow_tables_refuses_what_it_cannot_create(
+        pytester: pytest.Pytester, sqlite_default: None) -> None:
+    """A duraflow_tables that is neither MetaData nor a function fails the test, saying so."""
+    pytester.makepyfile(test_bad=USER_APP + '''
+
+@pytest.fixture
+def duraflow_tables():
+    return ["CREATE TABLE orders (id INTEGER)"]
+
+
+def test_uses_the_store(duraflow_store):
+    pass
+''')
+    result = run_session(pytester)
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*must be SQLAlchemy MetaData, a function taking a "
+                                 "Connection*"])

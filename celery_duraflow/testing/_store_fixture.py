@@ -14,12 +14,14 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from celery.signals import task_prerun
+from sqlalchemy import Engine, MetaData
+from sqlalchemy.engine import Connection
 
 from .._admin import list_runs
 from .._config import _ALIAS_WATCH_ATTR, _CACHE_ATTR, config_for_app
@@ -34,6 +36,14 @@ from ._history import assert_replays
 #: What a test names a run with: its task id, its :class:`RunView`, or the Celery
 #: result (``EagerResult``/``AsyncResult``) of the task that started it.
 RunRef = Any
+
+#: What a test's own tables are given as (the ``duraflow_tables`` fixture, the ``tables``
+#: argument of :func:`isolated_store`): SQLAlchemy ``MetaData`` whose tables are created
+#: after the store's own and dropped with them, a function given a ``Connection`` in a
+#: transaction on the store's database (to run DDL or insert rows, say), or a list of
+#: these, applied in order. None: no tables of the test's own.
+UserTables: TypeAlias = MetaData | Callable[[Connection], object] | Iterable[
+    MetaData | Callable[[Connection], object]] | None
 
 _MISSING = object()
 # The settings isolated_store() writes into the app's configuration, besides eagerness.
@@ -176,6 +186,12 @@ class DuraflowStore:
     def table_prefix(self) -> str:
         """The prefix of this test's tables (new for every test)."""
         return self._store.config.table_prefix
+
+    @property
+    def engine(self) -> Engine:
+        """The SQLAlchemy engine of the store's database, where atomic steps write: read
+        the rows a test's atomic steps committed through it."""
+        return self._store.engine
 
     @property
     def eager(self) -> bool:
@@ -325,10 +341,43 @@ class DuraflowStore:
         return attempts[-1]
 
 
+def _table_setups(tables: UserTables) -> list[MetaData | Callable[[Connection], object]]:
+    """``tables`` as a list of MetaData and functions, refused if it is anything else."""
+    if tables is None:
+        return []
+    items: Any = [tables] if isinstance(tables, MetaData) or callable(tables) else tables
+    setups: list[Any] = list(items) if isinstance(items, Iterable) else [items]
+    for item in setups:
+        if not (isinstance(item, MetaData) or callable(item)):
+            raise TypeError(
+                "the test's own tables (the duraflow_tables fixture) must be SQLAlchemy "
+                "MetaData, a function taking a Connection, a list of these, or None; got "
+                f"{item!r}")
+    return setups
+
+
+def _create_tables(engine: Engine, setups: list[MetaData | Callable[[Connection], object]]
+                   ) -> None:
+    with engine.begin() as conn:
+        for setup in setups:
+            if isinstance(setup, MetaData):
+                setup.create_all(conn)
+            else:
+                setup(conn)
+
+
+def _drop_tables(engine: Engine, setups: list[MetaData | Callable[[Connection], object]]
+                 ) -> None:
+    with engine.begin() as conn:
+        for setup in reversed(setups):
+            if isinstance(setup, MetaData):
+                setup.drop_all(conn)
+
+
 @contextmanager
 def isolated_store(app: Any, *, database_url: str | None = None,
                    directory: str | Path | None = None,
-                   eager: bool = True) -> Iterator[DuraflowStore]:
+                   eager: bool = True, tables: UserTables = None) -> Iterator[DuraflowStore]:
     """Point ``app`` at an empty store of its own for the ``with`` block; then put it back.
 
     With no ``database_url`` the store is a new SQLite file in ``directory``
@@ -339,7 +388,15 @@ def isolated_store(app: Any, *, database_url: str | None = None,
     retries run as on a worker): signals, wake-ups, cancellations and child
     runs then run here too, and nothing is sent to the broker. The app's own
     settings, and the configuration it had parsed, come back when the block ends.
+
+    ``tables`` are the test's own tables (SQLAlchemy ``MetaData``, a function
+    taking a ``Connection``, or a list of these), the ones its
+    atomic steps write through ``s.connection``: created in the store's database
+    once the store's tables are there, in one transaction; MetaData tables are
+    dropped again at the end where the store's tables are (a database named by
+    ``database_url``).
     """
+    setups = _table_setups(tables)
     # A proxy such as celery.current_app: the app it stands for now, compared by identity.
     app = getattr(app, "_get_current_object", lambda: app)()
     drop = database_url is not None
@@ -363,6 +420,10 @@ def isolated_store(app: Any, *, database_url: str | None = None,
         if drop:
             cleanup.callback(store.drop_tables)
         store.ensure_schema()
+        if setups:
+            if drop:
+                cleanup.callback(_drop_tables, store.engine, setups)
+            _create_tables(store.engine, setups)
         log.connect()
         cleanup.callback(log.disconnect)
         yield DuraflowStore(app, store, eager=eager, log=log)

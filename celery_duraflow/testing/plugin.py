@@ -14,6 +14,10 @@ touches tests that do not ask for a fixture of it.
   ``DURAFLOW_TEST_DATABASE_URL``, in that order of precedence; each test gets
   tables under a prefix of its own there, dropped after it.
 * ``duraflow_eager``: True (the default) makes the app eager for the test.
+* ``duraflow_tables``: the test's own tables, which atomic steps write: None
+  (the default), or SQLAlchemy ``MetaData``, a function given a ``Connection``,
+  or a list of these. Override it to have ``duraflow_store`` create them in the
+  test's database after its own tables (and drop MetaData tables with them).
 * ``duraflow_store``: the test's own empty store (:class:`DuraflowStore`).
 * ``duraflow_clock``: the library's clock for the test (:class:`DuraflowClock`).
 """
@@ -28,7 +32,7 @@ import pytest
 from celery import current_app
 
 from ._clock_fixture import DuraflowClock, controlled_clock
-from ._store_fixture import DuraflowStore, isolated_store
+from ._store_fixture import DuraflowStore, UserTables, isolated_store
 
 #: The environment variable naming the database for test stores (a CI job sets it).
 DATABASE_URL_VARIABLE = "DURAFLOW_TEST_DATABASE_URL"
@@ -75,12 +79,22 @@ def duraflow_eager() -> bool:
 
 
 @pytest.fixture
+def duraflow_tables() -> UserTables:
+    """The test's own tables, which its atomic steps write: override this fixture to
+    return SQLAlchemy ``MetaData``, a function taking a ``Connection``, or a list of
+    these; ``duraflow_store`` creates them in the test's database. None by default."""
+    return None
+
+
+@pytest.fixture
 def duraflow_store(duraflow_app: Any, duraflow_database_url: str | None, duraflow_eager: bool,
+                   duraflow_tables: UserTables,
                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[DuraflowStore]:
-    """An empty store of this test's own, used by ``duraflow_app`` for the test."""
+    """An empty store of this test's own, used by ``duraflow_app`` for the test, with the
+    test's own tables (``duraflow_tables``) created beside it."""
     directory = tmp_path_factory.mktemp("duraflow") if duraflow_database_url is None else None
     with isolated_store(duraflow_app, database_url=duraflow_database_url, directory=directory,
-                        eager=duraflow_eager) as store:
+                        eager=duraflow_eager, tables=duraflow_tables) as store:
         yield store
 
 
