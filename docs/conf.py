@@ -64,6 +64,12 @@ nitpick_ignore = [
 ]
 
 
+# Docutils' smart quotes would turn the `--option` of a command into an en dash and the
+# straight quotes of a JSON payload into curly ones wherever the text is not a literal: in
+# the help texts of the CLI reference (sphinx-click) above all, from which commands are
+# copied. Text stays as typed; MyST's own "smartquotes" and "replacements" stay off too.
+smartquotes = False
+
 # -- MyST ------------------------------------------------------------------------------------
 
 # Headings up to ### get anchors, so pages can link to sections: [text](page.md#anchor).
