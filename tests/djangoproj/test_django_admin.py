@@ -584,3 +584,52 @@ def test_makemigrations_has_nothing_to_write_for_the_run_models() -> None:
     for model in (Run, Step, Signal):
         assert model._meta.managed is False
         assert model._meta.db_table.startswith(conf.table_prefix())
+
+
+# -- how stored values and times are shown ------------------------------------------------------
+
+
+def test_run_page_shows_times_with_seconds_and_pretty_json(each_app: Celery) -> None:
+    """A run's page shows its times to the second and its stored values as indented JSON."""
+    app = each_app
+    tasks = define_tasks(app)
+    task_id = tasks.book.apply(args=(5,)).id
+    run = get_run(task_id, app=app)
+    assert run is not None
+    client = client_with("view_run")
+    html = client.get(run_url(task_id)).content.decode()
+    created = f"{run.created_at:%Y-%m-%d %H:%M:%S}"
+    started = f"{run.step('quote').started_at:%Y-%m-%d %H:%M:%S}"
+    assert created in text_of(html), (created, text_of(html))
+    assert started in section(html, "duraflow-steps")
+    # The arguments, the result and a step's output keep their line breaks and indentation.
+    pres = [unescape(found) for found in re.findall(r"<pre[^>]*>(.*?)</pre>", html, re.S)]
+    assert '{\n  "args": [\n    5\n  ],' in "".join(pres), pres
+    assert '{\n  "booked": true\n}' in pres, pres
+    assert '{\n  "amount": 5\n}' in pres, pres
+    # The list says the times to the second as well.
+    listing = client.get(RUNS).content.decode()
+    assert created in text_of(listing)
+
+
+def test_run_page_shows_a_lone_surrogate_escaped(each_app: Celery) -> None:
+    """Stored JSON holding a lone surrogate is shown escaped on the page and the list, not a 500."""
+    app = each_app
+    tasks = define_tasks(app)
+    task_id = tasks.book.apply(args=(6,)).id
+    store = store_for(config_for_app(app))
+    runs, steps = store.tables.runs, store.tables.steps
+    odd = '{"args": ["\\ud800 <i>x</i>"], "kwargs": {}}'
+    with store.engine.begin() as conn:
+        conn.execute(runs.update().where(runs.c.task_id == task_id)
+                     .values(args=odd, result='"\\udfff"', task_name="shop.\\ud800"))
+        conn.execute(steps.update().where(steps.c.task_id == task_id,
+                                          steps.c.step_key == "quote")
+                     .values(output='{"k": "\\ud83d"}'))
+    client = client_with("view_run")
+    response = client.get(run_url(task_id))
+    assert response.status_code == 200
+    html = response.content.decode()
+    assert "\\ud800 &lt;i&gt;x&lt;/i&gt;" in html and "<i>x</i>" not in html
+    assert "\\udfff" in html and "\\ud83d" in html
+    assert client.get(RUNS).status_code == 200

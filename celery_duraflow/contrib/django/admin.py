@@ -37,7 +37,10 @@ from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import ImproperlyConfigured, PermissionDenied
 from django.http import HttpResponseNotAllowed, HttpResponseRedirect
 from django.urls import path, reverse
+from django.utils import formats, timezone
+from django.utils.html import format_html
 from django.utils.module_loading import import_string
+from django.utils.safestring import SafeString
 
 from ..._compensation import COMPENSATION_PREFIX
 from ..._config import app_and_config
@@ -60,6 +63,8 @@ PREVIEW = 200
 RUN_ACTIONS = ("approve", "reject", "cancel", "retry")
 #: How many task ids one message names before saying how many more.
 NAMED = 10
+#: How times are shown: to the second, with the time zone (Django's current one).
+TIME_FORMAT = "Y-m-d H:i:s T"
 
 
 def celery_app() -> Any:
@@ -104,8 +109,8 @@ class _Outcome:
 class RunAdmin(admin.ModelAdmin):
     """Runs, newest first; a run's page shows its steps, waits and signals."""
 
-    list_display = ("task_id", "task_name", "status", "waits", "attempts", "created_at",
-                    "finished_at")
+    list_display = ("task_id", "task_name", "status", "waits", "attempts", "created",
+                    "finished")
     list_filter = ("status", "task_name")
     # The whole task id: an exact match on the primary key, fast on any number of runs.
     search_fields = ("task_id",)
@@ -118,17 +123,17 @@ class RunAdmin(admin.ModelAdmin):
     change_form_template = "admin/duraflow/run/change_form.html"
     fieldsets = (
         (None, {"fields": ("task_id", "task_name", "status", "waits", "attempts", "retries",
-                           "recoveries", "created_at", "updated_at", "finished_at")}),
+                           "recoveries", "created", "updated", "finished")}),
         ("Arguments, result and error", {"fields": ("shown_args", "shown_result", "error")}),
         ("Lease and delivery", {"classes": ("collapse",), "fields": (
             "parent_id", "replaced_by", "unwinding", "interrupted", "lease_owner",
-            "lease_expires_at", "exchange", "routing_key", "code_fingerprint",
+            "lease_expires", "exchange", "routing_key", "code_fingerprint",
             "args_fingerprint", "serializer")}),
     )
     readonly_fields = ("task_id", "task_name", "status", "waits", "attempts", "retries",
-                       "recoveries", "created_at", "updated_at", "finished_at", "shown_args",
+                       "recoveries", "created", "updated", "finished", "shown_args",
                        "shown_result", "error", "parent_id", "replaced_by", "unwinding",
-                       "interrupted", "lease_owner", "lease_expires_at", "exchange",
+                       "interrupted", "lease_owner", "lease_expires", "exchange",
                        "routing_key", "code_fingerprint", "args_fingerprint", "serializer")
 
     # -- reading ---------------------------------------------------------------------------
@@ -155,17 +160,34 @@ class RunAdmin(admin.ModelAdmin):
     def waits(self, run: Run) -> str:
         return run_note(run)
 
+    # Times to the second (the admin's own format for a date and time has no seconds).
+    @admin.display(description="created at", ordering="created_at")
+    def created(self, run: Run) -> str:
+        return shown_time(run.created_at)
+
+    @admin.display(description="updated at", ordering="updated_at")
+    def updated(self, run: Run) -> str:
+        return shown_time(run.updated_at)
+
+    @admin.display(description="finished at", ordering="finished_at")
+    def finished(self, run: Run) -> str:
+        return shown_time(run.finished_at)
+
+    @admin.display(description="lease expires at")
+    def lease_expires(self, run: Run) -> str:
+        return shown_time(run.lease_expires_at)
+
     @admin.display(description="arguments")
-    def shown_args(self, run: Run) -> str:
+    def shown_args(self, run: Run) -> SafeString | str:
         if run.args is None:
             return "(not recorded)"
-        return _shown(run.args, None, task_id=run.task_id, what="arguments")
+        return _pre(_shown(run.args, None, task_id=run.task_id, what="arguments"))
 
     @admin.display(description="result")
-    def shown_result(self, run: Run) -> str:
+    def shown_result(self, run: Run) -> SafeString | str:
         if run.result is None:
             return "-"
-        return _shown(run.result, run.serializer, task_id=run.task_id, what="result")
+        return _pre(_shown(run.result, run.serializer, task_id=run.task_id, what="result"))
 
     # -- nothing is written through the admin -----------------------------------------------
 
@@ -340,11 +362,14 @@ class RunAdmin(admin.ModelAdmin):
             "key": s.step_key,
             "status": s.status,
             "attempts": s.attempts,
-            "started_at": s.started_at,
-            "completed_at": s.completed_at,
+            "started_at": shown_time(s.started_at),
+            "completed_at": shown_time(s.completed_at),
             "duration": span(step_duration(s)),
             "output": (_shown(s.output, s.serializer, task_id=run.task_id, step_key=s.step_key,
                               limit=PREVIEW) if s.output is not None else ""),
+            # The whole output, indented, under the preview.
+            "output_full": (_shown(s.output, s.serializer, task_id=run.task_id,
+                                   step_key=s.step_key) if s.output is not None else ""),
             "error": clip(s.error or "", PREVIEW),
             "exit": s.body_exit or "",
             "in_doubt": s.status == STEP_RUNNING,
@@ -358,11 +383,12 @@ class RunAdmin(admin.ModelAdmin):
             "waits_for": waits_for(run.wait_kind, run.waiting_for, run.wake_at),
             "signals": [{
                 "name": sig.name,
-                "sent_at": sig.sent_at,
+                "sent_at": shown_time(sig.sent_at),
                 "payload": _shown(sig.payload, sig.serializer, task_id=run.task_id,
                                   step_key=sig.name, what="signal payload"),
             } for sig in signals],
-            "children": [{"run": child, "url": link(child.task_id)} for child in children],
+            "children": [{"run": child, "url": link(child.task_id),
+                          "created_at": shown_time(child.created_at)} for child in children],
             "parent_url": link(run.parent_id) if run.parent_id else None,
             "waiting_signal": waiting_signal,
             "retry_steps": [row["key"] for row in rows if not row["compensation"]],
@@ -379,6 +405,27 @@ class RunAdmin(admin.ModelAdmin):
                            args=(quote(task_id),), current_app=self.admin_site.name))
 
 
+def shown_time(value: Any) -> str:
+    """A stored time to the second, in Django's current time zone; ``-`` for none."""
+    if value is None:
+        return "-"
+    if timezone.is_aware(value):
+        value = timezone.localtime(value)
+    return str(formats.date_format(value, TIME_FORMAT))
+
+
+def printable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (a lone surrogate from a JSON ``\\ud800``
+    escape in a stored value) written as its escape, so that any stored value can be shown."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _pre(text: str) -> SafeString:
+    """Text (JSON, already printable) in a ``<pre>``, escaped, its line breaks kept."""
+    return format_html('<pre class="duraflow-json" style="margin: 0; white-space: pre-wrap;">'
+                       "{}</pre>", text)
+
+
 def _shown(data: str, stored_with: str | None, *, task_id: str, step_key: str | None = None,
            what: str | None = None, limit: int = MAX_SHOWN) -> str:
     """A stored value as JSON text, decoded as the library decodes it (the serializers the
@@ -388,10 +435,10 @@ def _shown(data: str, stored_with: str | None, *, task_id: str, step_key: str | 
         value = decode(data, stored_with, config.serializer, accept=config.accept_serializers,
                        task_id=task_id, step_key=step_key, what=what, placeholder=True)
     except DuraflowError as exc:
-        return f"(unreadable: {exc})"
+        return printable(f"(unreadable: {exc})")
     if isinstance(value, Unreadable):
-        return str(value)
-    return clip(json_text(value, 2 if limit == MAX_SHOWN else None), limit)
+        return printable(str(value))
+    return printable(clip(json_text(value, 2 if limit == MAX_SHOWN else None), limit))
 
 
 admin.site.register(Run, RunAdmin)
