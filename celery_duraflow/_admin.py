@@ -58,6 +58,7 @@ from ._records import (
     RUNNING,
     SLEEPING,
     STEP_COMPLETED,
+    SUCCEEDED,
     WAITING,
     RunRecord,
     as_utc,
@@ -583,9 +584,11 @@ def reset_for_retry(store: Store, task_id: str, *, from_step: str | None, grace:
 
     With ``from_step``, the recorded outcome of that step, of the steps
     nested in it and of every step that started after it is discarded, so
-    they run again. Refused for a run that has not ended, and for a run
-    whose steps were undone by compensations unless ``from_step`` is given
-    (their recorded outputs describe effects that no longer exist).
+    they run again. Refused for a run that has not ended, and, unless
+    ``from_step`` is given, for a succeeded run (replaying it would change
+    nothing) and for a run whose steps were undone by compensations (their
+    recorded outputs describe effects that no longer exist). The retry and
+    recovery counts start over; the attempt count goes on.
     """
     runs, steps = store.tables.runs, store.tables.steps
     now = utc_now()
@@ -610,6 +613,14 @@ def reset_for_retry(store: Store, task_id: str, *, from_step: str | None, grace:
                 "replacement, whose run is recorded under the task id with ~r and the "
                 f"replacement's nesting appended (the first: {replacement}). Retry that run "
                 "instead.", task_id=task_id)
+        if run.status == SUCCEEDED and from_step is None:
+            # Every step would be replayed and the same result recorded again: nothing to do.
+            raise RunStateError(
+                f"run {task_id} succeeded, so sending it again as recorded would replay "
+                "every step and change nothing: only a run that failed, was cancelled, "
+                "compensated, ignored or rejected is retried as it is. To run steps of a "
+                "succeeded run again, name the first of them (--from-step KEY).",
+                task_id=task_id)
         undone_keys = [row[0].removeprefix(compensation_prefix) for row in conn.execute(
             select(steps.c.step_key).where(
                 steps.c.task_id == task_id,
@@ -667,7 +678,7 @@ def reset_for_retry(store: Store, task_id: str, *, from_step: str | None, grace:
             update(runs).where(runs.c.task_id == task_id)
             .values(status=RUNNING, result=None, serializer=None, error=None,
                     finished_at=None, updated_at=now, lease_owner=None,
-                    lease_expires_at=now + timedelta(seconds=grace), retries=0,
+                    lease_expires_at=now + timedelta(seconds=grace), retries=0, recoveries=0,
                     unwinding=None, interrupted=False)
             .returning(*runs.c)).one()
     return RunRecord.from_row(updated)

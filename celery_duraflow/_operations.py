@@ -44,14 +44,27 @@ def retry_run(task_id: str, *, from_step: str | None = None, app: Any = None) ->
     """Send an ended run again under the same task id; return its reset record.
 
     With ``from_step`` the recorded outcomes of that step and of everything
-    after it are discarded first (in one transaction), so they run again. The
-    retry count starts over. Raises :class:`~celery_duraflow.RunNotFound` or
-    :class:`~celery_duraflow.RunStateError`.
+    after it are discarded first (in one transaction), so they run again.
+    This is the one meaning of a retry, whichever surface asks for it (this
+    function, ``celery duraflow retry``, the web view, the Django admin):
+
+    * a failed, cancelled, ignored or rejected run is sent as it is (its
+      completed steps replayed) or from ``from_step``;
+    * a compensated run, and a succeeded one, only from ``from_step``: a
+      compensated run's undone steps must run again, and a succeeded run
+      replayed as recorded would change nothing;
+    * a run that has not ended, or was replaced, is refused.
+
+    The retry count (what ``max_retries`` is compared with) and the recovery
+    count (``duraflow_max_recoveries``) start over, so the retried run has
+    its full budget of both; the attempt count goes on, numbering every
+    attempt the run ever had. Raises :class:`~celery_duraflow.RunNotFound`
+    or :class:`~celery_duraflow.RunStateError`.
     """
     app, config = app_and_config(app)
     store = store_for(config)
     run = reset_for_retry(store, task_id, from_step=from_step, grace=config.lease_seconds,
-                                compensation_prefix=COMPENSATION_PREFIX)
+                          compensation_prefix=COMPENSATION_PREFIX)
     send_run(app, run)
     logger.info("task %s sent again%s", task_id, f" from step {from_step!r}" if from_step else "")
     return run

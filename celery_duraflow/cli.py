@@ -622,7 +622,7 @@ def retry(ctx: click.Context, task_id: str, from_step: str | None) -> None:
 
     Its completed steps are answered from the store and not run again,
     unless --from-step names the first one that must run again. A
-    compensated run needs --from-step. Exit status 0 when the run was sent;
+    compensated or succeeded run needs --from-step. Exit status 0 when the run was sent;
     1 when it is unknown, has not ended, has no step KEY, or the store or the
     broker cannot be reached.
     """

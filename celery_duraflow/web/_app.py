@@ -31,6 +31,7 @@ from .._store import (
     IGNORED,
     REJECTED,
     RUN_STATUSES,
+    SUCCEEDED,
     WAITING,
 )
 from .._waits import send_signal
@@ -332,10 +333,11 @@ class _Handlers:
         record = await run_in_threadpool(store_of(self.celery_app).get_run, task_id)
         if record is None:
             raise HTTPException(404, f"No run with task id {task_id!r} is recorded.")
-        if record.status not in RETRYABLE:
+        if record.status not in RETRYABLE and not (record.status == SUCCEEDED and from_step):
             return self.back(request, task_id, f"The run is {record.status}: only a run that "
                                                "failed, was cancelled or was compensated is "
-                                               "retried from here.", "error")
+                                               "retried from here (a succeeded one from a "
+                                               "named step).", "error")
         try:
             await run_in_threadpool(retry_run, task_id, from_step=from_step, app=self.celery_app)
         except RunStateError as exc:

@@ -633,3 +633,27 @@ def test_run_page_shows_a_lone_surrogate_escaped(each_app: Celery) -> None:
     assert "\\ud800 &lt;i&gt;x&lt;/i&gt;" in html and "<i>x</i>" not in html
     assert "\\udfff" in html and "\\ud83d" in html
     assert client.get(RUNS).status_code == 200
+
+
+def test_retry_of_a_succeeded_run_needs_a_step_as_on_every_surface(app: Celery) -> None:
+    """The admin retries a succeeded run from a named step only, as the CLI and web view do."""
+    tasks = define_tasks(app)
+    done = tasks.book.apply(args=(3,)).id
+    client = client_with("view_run", "retry_run")
+    html = client.get(run_url(done)).content.decode()
+    assert ">Retry</button>" in html and '<option value="charge">charge</option>' in html
+    assert "(replay the recorded steps)" not in html
+
+    refused = client.post(RUNS, {"action": "retry_runs", "_selected_action": [done]},
+                          follow=True)
+    said = messages_of(refused.content.decode())
+    assert f"Retry of run {done} refused: run {done} succeeded, so sending it again as " \
+           "recorded would replay every step and change nothing" in said
+    assert status_of(app, done) == "succeeded"
+
+    with worker(app):
+        sent = client.post(run_url(done, "retry"), {"from_step": "charge"}, follow=True)
+        assert "Sent again under the same task id, from step 'charge'" in messages_of(
+            sent.content.decode())
+        run = wait_for_status(app, done, "succeeded")
+    assert [s.key for s in run.steps] == ["quote", "charge"]

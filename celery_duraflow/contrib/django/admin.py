@@ -46,7 +46,7 @@ from ..._compensation import COMPENSATION_PREFIX
 from ..._config import app_and_config
 from ..._format import clip, json_text, run_note, span, step_duration, waits_for
 from ..._operations import cancel, retry_run
-from ..._records import FINISHED, STEP_RUNNING, STEP_WAITING, WAITING
+from ..._records import FINISHED, STEP_RUNNING, STEP_WAITING, SUCCEEDED, WAITING
 from ..._serialization import Unreadable, decode
 from ..._waits import send_signal
 from ...errors import DuraflowError
@@ -396,6 +396,8 @@ class RunAdmin(admin.ModelAdmin):
             # Offered where they can apply; the operations still decide.
             "can_cancel": run.status not in FINISHED and self.has_cancel_permission(request),
             "can_retry": run.status in FINISHED and self.has_retry_permission(request),
+            # A succeeded run is retried from a step only (replayed whole, it changes nothing).
+            "retry_replays": run.status != SUCCEEDED,
             "action_urls": {action: self._url(action, run.task_id) for action in RUN_ACTIONS},
         }
 
