@@ -189,8 +189,10 @@ class DuraflowStore:
 
     @property
     def engine(self) -> Engine:
-        """The SQLAlchemy engine of the store's database, where atomic steps write: read
-        the rows a test's atomic steps committed through it."""
+        """The SQLAlchemy engine of the store's database, where atomic steps write.
+
+        Read the rows a test's atomic steps committed through it.
+        """
         return self._store.engine
 
     @property
