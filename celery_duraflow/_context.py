@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._lease import keeper
 from ._limits import check_key
-from .errors import DuraflowError, LeaseLost, NonDeterministicReplay
+from .errors import DuraflowError, LeaseLost, NonDeterministicReplay, StoreUnavailable
 
 logger = logging.getLogger("celery_duraflow.replay")
 
@@ -75,6 +75,59 @@ class RunContext:
     dry: bool = False
     # What a replay check noticed on its way without stopping (a step whose code changed).
     notes: list[str] = field(default_factory=list)
+    # The first store error of this attempt: no further step starts, and the attempt is
+    # handed over (sent again without spending a retry) instead of retried or finished.
+    outage: StoreUnavailable | None = None
+    # A step body ran in this attempt and its end was not recorded: whatever way the
+    # attempt ends, the run is left interrupted, so the next attempt finds it in doubt.
+    unrecorded: bool = False
+
+    def store_failed(self, error: StoreUnavailable, key: str, *, ran: bool,
+                     atomic: bool = False) -> StoreUnavailable:
+        """Note a store error at step ``key``; return it as raised to the task's code.
+
+        The returned error says truthfully whether the step's body ran. The first
+        error of the attempt is kept in :attr:`outage`.
+        """
+        if ran and not atomic:
+            self.unrecorded = True
+            what = (f"The body of step {key!r} ran, but its end was not recorded: the next "
+                    "attempt runs it again as in doubt (s.in_doubt is True), with the same "
+                    "s.idempotency_key, so pass that key to the API the step calls.")
+        elif ran:
+            what = (f"The body of atomic step {key!r} ran; its writes commit together with "
+                    "its record or not at all, and the next attempt finds out which.")
+        else:
+            what = f"The body of step {key!r} did not run."
+        raised = StoreUnavailable(f"{error.message} {what} {self._after_outage()}",
+                                  task_id=self.task_id, step_key=key)
+        if self.outage is None:
+            self.outage = raised
+        return raised
+
+    def stop_for_outage(self, key: str) -> None:
+        """Refuse to start step ``key`` after the store failed earlier in this attempt."""
+        first = self.outage
+        if first is None:
+            return
+        raise StoreUnavailable(
+            f"step {key!r} of task {self.task_id} was not started, and its body did not run: "
+            f"the store failed earlier in this attempt, at step {first.step_key!r}. "
+            f"{self._after_outage()}", task_id=self.task_id, step_key=key)
+
+    def _after_outage(self) -> str:
+        """What happens to an attempt the store failed in, as its errors say."""
+        request = getattr(self.task, "request", None)
+        if request is not None and request.is_eager:
+            return ("The attempt stops here; an eager call is not sent again: call it again "
+                    "once the store answers.")
+        return ("The attempt stops here; the task is sent again once the store answers, "
+                "without spending one of its retries.")
+
+    def left_in_doubt(self) -> bool:
+        """Whether the run must stay interrupted when this attempt lets go of it: a body
+        ran unrecorded, or the in-doubt step it inherited was never resolved."""
+        return self.unrecorded or (self.interrupted and not self.recorded_any)
 
     def stop_if_unwinding(self, key: str) -> None:
         """At a step boundary: stop the run here if it is being cancelled or unwound."""

@@ -83,7 +83,34 @@ def parse_database_url(raw: Any, *, key: str = "duraflow_database_url") -> URL:
             f"{key} uses the {backend!r} database, which celery-duraflow does not support. "
             "Use PostgreSQL ('postgresql+psycopg://...') or SQLite ('sqlite:///file.sqlite3')."
         )
+    if backend == "postgresql":
+        _check_hosts(url, key)
     return url
+
+
+# One "name:port" entry of a host list (a host name or IPv4 address with a port; an IPv6
+# address has more than one colon and a socket directory starts with a slash).
+_HOST_WITH_PORT = re.compile(r"[^:/\[\]]+:[0-9]*")
+
+
+def _check_hosts(url: URL, key: str) -> None:
+    """Refuse a multi-host URL in a form the driver cannot connect with.
+
+    ``?host=a:5511,b:5512`` reaches libpq as one host list whose names carry
+    the ports, and every connection then fails as if the servers were down:
+    a configuration error would be retried as an outage forever.
+    """
+    hosts = url.query.get("host")
+    values = hosts if isinstance(hosts, tuple) else (hosts,) if hosts else ()
+    for value in values:
+        entries = [entry.strip() for entry in str(value).split(",")]
+        if len(entries) > 1 and any(_HOST_WITH_PORT.fullmatch(e) for e in entries):
+            shown = "&".join(f"host={entry}" for entry in entries)
+            raise ConfigurationError(
+                f"{key} = {url.render_as_string(hide_password=True)!r} gives several "
+                f"servers with their ports in one host= parameter (host={value}), which the "
+                f"PostgreSQL driver cannot connect with. Give one host= per server instead: "
+                f"?{shown}.")
 
 
 # The escape character of every LIKE pattern built with like_literal().
@@ -366,7 +393,7 @@ class Database:
             options.setdefault("isolation_level", "AUTOCOMMIT")
         try:
             engine = create_engine(url, **options)
-        except (NoSuchModuleError, ImportError, TypeError, ValueError) as exc:
+        except (NoSuchModuleError, ArgumentError, ImportError, TypeError, ValueError) as exc:
             raise ConfigurationError(
                 f"cannot create a database engine for duraflow_database_url "
                 f"{url.render_as_string(hide_password=True)!r}: {exc}. Check the URL's driver "
@@ -479,10 +506,10 @@ class Database:
                 task_id=task_id,
                 step_key=step_key,
             )
+        # What ran before this is for the caller to say (a step knows whether its body
+        # did); here only the store's side is known.
         return StoreUnavailable(
-            f"the step store is unavailable while {action}{where}: {_short(exc)}. Nothing "
-            "was run for this step; the attempt can be retried safely (add StoreUnavailable "
-            "to autoretry_for).",
+            f"the step store is unavailable while {action}{where}: {_short(exc)}.",
             task_id=task_id,
             step_key=step_key,
         )

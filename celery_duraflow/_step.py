@@ -392,12 +392,17 @@ class StepContext:
                 )
             self.attempt = (prior.attempts if prior is not None else 0) + 1
             self._new = prior is None
-            ctx.store.check_reachable(ctx.task_id, self.key)
+            ctx.stop_for_outage(self.key)
+            try:
+                ctx.store.check_reachable(ctx.task_id, self.key)
+                if self._on_in_doubt == "raise" and not self.atomic:
+                    # Only this policy needs a record that the body started, to recognise
+                    # an interruption later; every other step is written once, at its end.
+                    claim = ctx.store.claim_step(ctx.task_id, self.key, ctx.owner, prior,
+                                                 position=self.position)
+            except StoreUnavailable as exc:
+                raise ctx.store_failed(exc, self.key, ran=False) from exc
             if self._on_in_doubt == "raise" and not self.atomic:
-                # Only this policy needs a record that the body started, to recognise an
-                # interruption later; every other step is written once, when it ends.
-                claim = ctx.store.claim_step(ctx.task_id, self.key, ctx.owner, prior,
-                                             position=self.position)
                 if claim is None:
                     self._use_stored(self._lost_claim())
                     ctx.stack.append(self)
@@ -419,7 +424,10 @@ class StepContext:
                                   attempt=self.attempt, in_doubt=self.in_doubt)
             if self.atomic:
                 # Last, so that nothing between here and the body can leave it open.
-                self._tx = ctx.store.atomic(ctx.task_id, self.key)
+                try:
+                    self._tx = ctx.store.atomic(ctx.task_id, self.key)
+                except StoreUnavailable as exc:
+                    raise ctx.store_failed(exc, self.key, ran=False) from exc
         ctx.stack.append(self)
 
     def _lease_lost(self) -> LeaseLost:
@@ -572,8 +580,11 @@ class StepContext:
                     self._record(STEP_FAILED, error=_error_text(error), body_exit=BODY_FATAL)
                     ctx.failed_step = self.key
                 raise
-            with store._unavailable("committing the atomic step", ctx.task_id, self.key):
-                tx.finish()
+            try:
+                with store._unavailable("committing the atomic step", ctx.task_id, self.key):
+                    tx.finish()
+            except StoreUnavailable as down:
+                raise ctx.store_failed(down, self.key, ran=True, atomic=True) from down
             return
         # The body failed: roll back first, then record the failure outside the
         # transaction (or in the outer atomic step's), as for any step.
@@ -596,6 +607,10 @@ class StepContext:
                        body_exit=body_exit, returned=returned)
         except LeaseLost:
             self._lost_record()  # says why: the lease, or a conflict on the step's row
+        except StoreUnavailable as exc:
+            # The body ran: say so, and leave the run for the next attempt to find the
+            # step in doubt, whichever way this attempt ends.
+            raise ctx.store_failed(exc, self.key, ran=True, atomic=self.atomic) from exc
 
     def _unstorable(self, value: Any, what: str, error: Exception) -> StepOutputNotSerializable:
         """The error for a value of this step that the serializer refuses; it is fatal.

@@ -473,12 +473,14 @@ class Store(WaitStatements):
             return bool(conn.execute(stmt).rowcount)
 
     def release_lease(self, task_id: str, owner: str, *,
-                      recover_after: float | None) -> bool:
+                      recover_after: float | None, interrupted: bool = False) -> bool:
         """Drop the lease of an attempt that ends without ending the run.
 
         With ``recover_after`` the run becomes recoverable by the sweep that
         many seconds from now if no delivery has picked it up by then (a
         retry's countdown plus a lease, say); with None it never does.
+        ``interrupted`` leaves the run marked as taken from an owner that did
+        not finish: the next attempt's first unfinished step is in doubt.
         """
         runs = self.tables.runs
         now = utc_now()
@@ -487,7 +489,7 @@ class Store(WaitStatements):
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
             .values(lease_owner=None, lease_expires_at=expires, updated_at=now,
-                    interrupted=False)
+                    interrupted=interrupted)
         )
         with self._write("releasing the run's lease", task_id) as conn:
             return bool(conn.execute(stmt).rowcount)

@@ -263,7 +263,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                     run_key = check_task_id(replacement_key(task_id, nesting))
                     run, recorded = store.begin_attempt(run_key, delivery)
             except StoreUnavailable as exc:
-                self._come_back_later(exc, config)
+                self._come_back_later(exc, config, nothing_ran=True)
             if run.lease_owner != owner:
                 taken = self._not_ours(store, config, run, delivery)
                 if taken is None:
@@ -296,8 +296,9 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             try:
                 recorded = store.load_steps(task_id)
             except StoreUnavailable as exc:
-                self._release(store, task_id, owner, recover_after=config.lease_seconds)
-                self._come_back_later(exc, config)
+                self._release(store, task_id, owner, recover_after=config.lease_seconds,
+                              interrupted=run.interrupted)
+                self._come_back_later(exc, config, nothing_ran=True)
         ctx = RunContext(task_id=task_id, task_name=self.name, owner=owner, store=store,
                          serializer=serializer, serializer_name=config.serializer,
                          recorded=recorded, interrupted=run.interrupted, task=self,
@@ -329,12 +330,14 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             # does the sweep re-send the run, well after it was due: a retry stuck behind a
             # long queue is not lost, and sending it twice would only cost a message.
             self._release(store, task_id, owner, recover_after=_seconds_until(exc.when)
-                          + RETRY_GRACE_LEASES * config.lease_seconds)
+                          + RETRY_GRACE_LEASES * config.lease_seconds,
+                          interrupted=ctx.left_in_doubt())
             raise
         except Reject as exc:
             if exc.requeue:
                 # Celery puts the message back: the run goes on with that delivery.
-                self._release(store, task_id, owner, recover_after=config.lease_seconds)
+                self._release(store, task_id, owner, recover_after=config.lease_seconds,
+                              interrupted=ctx.left_in_doubt())
             else:
                 self._end(ctx, run, REJECTED, f"Reject: {exc.reason!r}")
             raise
@@ -347,6 +350,10 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         except LeaseLost as exc:
             logger.warning("task %s: %s", task_id, exc)
             raise Ignore() from exc
+        except StoreUnavailable as exc:
+            # The store failed during the attempt (a step's start or end, a wait, a
+            # child): hand the run over instead of spending one of the user's retries.
+            self._hand_over(ctx, config, exc)
         except BaseException as exc:
             logger.warning("task %s (%s) failed for good%s: %s", task_id, self.name,
                            f" at step {ctx.failed_step!r}" if ctx.failed_step else "",
@@ -361,15 +368,25 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         finally:
             current_run.reset(token)
 
+        if ctx.outage is not None:
+            # The task's code went on after a store error (it caught StoreUnavailable):
+            # a step's end may be missing, so the run is not finished on this attempt.
+            self._hand_over(ctx, config, ctx.outage)
         if ctx.retry_sent is not None:
             # retry(throw=False): Celery sent the retry and this attempt returns as well.
             # The run goes on in that retry, which replays the completed steps.
             self._release(store, task_id, owner, recover_after=_seconds_until(
-                ctx.retry_sent.when) + RETRY_GRACE_LEASES * config.lease_seconds)
+                ctx.retry_sent.when) + RETRY_GRACE_LEASES * config.lease_seconds,
+                interrupted=ctx.left_in_doubt())
             return result
         data = self._stored_result(ctx, run, serializer, result)
-        if store.finish_run(task_id, owner, SUCCEEDED, result=data,
-                            serializer=config.serializer):
+        try:
+            finished = store.finish_run(task_id, owner, SUCCEEDED, result=data,
+                                        serializer=config.serializer)
+        except StoreUnavailable as exc:
+            # Every step is recorded; the next attempt replays them and records the end.
+            self._hand_over(ctx, config, exc)
+        if finished:
             if run_finished.receivers:
                 run_finished.send(sender=self, task_id=task_id, status=SUCCEEDED)
             wake_parent(self._get_app(), run)
@@ -550,6 +567,17 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                 logger.warning("task %s: its previous owner %s is gone; taking the run over",
                                task_id, run.lease_owner)
                 return taken
+        outage = self.request.get(OUTAGE_HEADER)
+        if (isinstance(outage, dict) and run.lease_owner is not None
+                and outage.get("owner") == run.lease_owner):
+            # Sent by the attempt that holds the lease, after the store failed under it and
+            # before it could let go: that attempt has ended, so the run is taken over
+            # (and is interrupted: its first unfinished step is in doubt).
+            taken = store.take_over(task_id, run.lease_owner, delivery)
+            if taken is not None:
+                logger.warning("task %s: taking the run over from %s, which the store failed "
+                               "under", task_id, run.lease_owner)
+                return taken
         if delivery.retries > run.retries:
             # Not a duplicate: the retry this run's owner asked for, delivered before that
             # attempt let go of the lease (Celery sends the retry, then the attempt ends).
@@ -611,6 +639,14 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         mine = ctx is not None and ctx.celery_id == self.request.id and ctx.task is self
         if mine and ctx is not None and ctx.fatal is not None:
             raise ctx.fatal
+        if mine and ctx is not None and (ctx.outage is not None
+                                         or isinstance(exc, StoreUnavailable)):
+            # A store outage (autoretry_for listing ConnectionError or StoreUnavailable,
+            # or the task's own retry after one) spends none of the task's retries: the
+            # attempt is handed over and sent again when the store answers.
+            if ctx.outage is None:
+                ctx.outage = exc
+            raise ctx.outage
         new_arguments = mine and (args is not None or kwargs is not None)
         token = _retry_arguments.set(ctx if new_arguments else None)
         try:
@@ -643,7 +679,9 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                     task_id=ctx.task_id)
         return signature
 
-    def _come_back_later(self, exc: StoreUnavailable, config: Config) -> NoReturn:
+    def _come_back_later(self, exc: StoreUnavailable, config: Config, *,
+                         nothing_ran: bool = False, owner: str | None = None,
+                         progress: bool = False) -> NoReturn:
         """The store is down before the run could start: send this delivery again later.
 
         Re-sending keeps the user's retry count untouched. The waits grow
@@ -652,9 +690,19 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         counted from the first delivery that found the store down (the time is
         carried in the re-sent message's headers); after that the task fails
         with StoreUnavailable. An eager call has no broker to come back
-        through, so there the error is raised as it is.
+        through, so there the error is raised as it is. ``owner`` is the
+        attempt that could not let go of the run: the re-sent delivery may take
+        the run over from it (see :meth:`_not_ours`). An attempt that recorded
+        something before the store failed (``progress``) starts the outage
+        clock again; one that recorded nothing goes on counting, so a store
+        error that comes back at the same place every time ends the task
+        instead of running a body again and again.
         """
         request = self.request
+        if nothing_ran:
+            exc = StoreUnavailable(
+                f"{exc.message} Nothing of task {request.id} ran in this attempt.",
+                task_id=request.id, step_key=exc.step_key)
         if request.is_eager:
             if store_unavailable.receivers:
                 store_unavailable.send(sender=self, task_id=request.id, exception=exc,
@@ -664,7 +712,9 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         retries = int(request.retries or 0)
         outage = request.get(OUTAGE_HEADER)
         since, resends = now, 0
-        if isinstance(outage, dict) and outage.get("retries") == retries:
+        if owner is None and isinstance(outage, dict) and isinstance(outage.get("owner"), str):
+            owner = outage["owner"]  # the attempt that still holds the run, if none let go
+        if isinstance(outage, dict) and outage.get("retries") == retries and not progress:
             try:
                 since, resends = float(outage["since"]), int(outage["resends"])
             except (KeyError, TypeError, ValueError):
@@ -681,11 +731,12 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             raise StoreUnavailable(
                 f"{exc} The store stayed unavailable for {elapsed:.0f}s and {resends} re-sends "
                 f"of task {request.id}, longer than duraflow_store_outage_timeout "
-                f"({config.store_outage_timeout:.0f}s), so the task failed; nothing of it ran. "
-                "Send it again once the database is back.",
+                f"({config.store_outage_timeout:.0f}s), so the task failed. Send it again "
+                "once the database is back.",
                 task_id=request.id) from exc
         delay = min(left, random.uniform(0.5, 1.0) * min(60.0, 2.0 ** resends))
-        headers = {OUTAGE_HEADER: {"since": since, "resends": resends + 1, "retries": retries}}
+        headers = {OUTAGE_HEADER: {"since": since, "resends": resends + 1, "retries": retries,
+                                   "owner": owner}}
         try:
             self.signature_from_request(request, countdown=delay).apply_async(headers=headers)
         except Exception:
@@ -698,12 +749,31 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         raise Ignore() from exc
 
     def _release(self, store: Store, task_id: str, owner: str, *,
-                 recover_after: float | None) -> None:
+                 recover_after: float | None, interrupted: bool = False) -> bool:
+        """Let go of the run; True if that was recorded. ``interrupted`` leaves the run
+        marked so that the next attempt's first unfinished step is in doubt."""
         try:
-            store.release_lease(task_id, owner, recover_after=recover_after)
+            store.release_lease(task_id, owner, recover_after=recover_after,
+                                interrupted=interrupted)
         except StoreUnavailable:
-            # The lease simply expires and the sweep (or a redelivery) takes over.
+            # The lease simply expires and the sweep (or a redelivery) takes over; the
+            # takeover marks the run interrupted.
             logger.warning("could not release the lease of task %s", task_id, exc_info=True)
+            return False
+        return True
+
+    def _hand_over(self, ctx: RunContext, config: Config, exc: StoreUnavailable) -> NoReturn:
+        """End an attempt the store failed in: let go of the run (left interrupted if a
+        body ran unrecorded) and send the task again later, none of its retries spent."""
+        logger.warning("task %s (%s): the store failed during the attempt%s; handing the run "
+                       "over", ctx.task_id, self.name,
+                       "; a step body ran unrecorded and will be in doubt"
+                       if ctx.unrecorded else "")
+        released = self._release(ctx.store, ctx.task_id, ctx.owner,
+                                 recover_after=config.lease_seconds,
+                                 interrupted=ctx.left_in_doubt())
+        self._come_back_later(exc, config, owner=None if released else ctx.owner,
+                              progress=ctx.recorded_any)
 
     def _record_failure(self, ctx: RunContext, exc: BaseException) -> bool:
         """Record that the run failed for good; True if it was recorded."""

@@ -11,6 +11,7 @@
 * ``PROJ_ETA_THRESHOLD``: ``duraflow_eta_threshold`` (default 60).
 * ``PROJ_CONSUMER_TIMEOUT``: the broker's ``consumer_timeout`` in seconds, told to the
   library through ``broker_transport_options`` (RabbitMQ's is set on the server).
+* ``PROJ_POOLER``: ``duraflow_pooler`` (``transaction`` behind PgBouncer's transaction mode).
 * ``PROJ_DEFAULT_QUEUE``: ``task_default_queue``, for tasks that send other tasks
   (Task.replace, canvases) without naming a queue.
 * ``PROJ_CLOCK_SHIFT``: seconds added to ``time.time()`` in every process of the
@@ -66,6 +67,8 @@ app.conf.update(
 if os.environ.get("PROJ_CONSUMER_TIMEOUT"):
     app.conf.broker_transport_options = {
         "consumer_timeout": float(os.environ["PROJ_CONSUMER_TIMEOUT"])}
+if os.environ.get("PROJ_POOLER"):
+    app.conf.duraflow_pooler = os.environ["PROJ_POOLER"]
 if os.environ.get("PROJ_DEFAULT_QUEUE"):
     app.conf.task_default_queue = os.environ["PROJ_DEFAULT_QUEUE"]
 

@@ -141,3 +141,28 @@ def chaos_ledger(self: Any, n: int) -> str:
             finally:
                 log_event("end", task_id, name, outcome)
     return str(s.result)
+
+
+@app.task(base=DurableTask, bind=True, name="proj.outage_steps",
+          autoretry_for=(ConnectionError,), max_retries=3, retry_backoff=False,
+          default_retry_delay=0.2)
+def outage_steps(self: Any, n: int, steps: int = 5, seconds: float = 0.3) -> str:
+    """``steps`` steps of ``seconds`` each that touch nothing but the event log.
+
+    ``autoretry_for=(ConnectionError,)`` catches StoreUnavailable too, as a user's
+    broad retry list would: a store outage must still spend none of these retries.
+    """
+    task_id = self.request.id
+    log_event("deliver", task_id, self.request.retries,
+              int(bool((self.request.delivery_info or {}).get("redelivered"))))
+    for index in range(steps):
+        with step(f"s{index}") as s:
+            log_event("start", task_id, f"s{index}", int(s.in_doubt))
+            outcome = "error"
+            try:
+                time.sleep(seconds)
+                s.result = f"s{index}-{n}"
+                outcome = "ok"
+            finally:
+                log_event("end", task_id, f"s{index}", outcome)
+    return str(s.result)
