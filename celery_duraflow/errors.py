@@ -197,9 +197,12 @@ class StepInDoubt(DuraflowError):
 
 
 class StoreUnavailable(DuraflowError, ConnectionError):
-    """The step store could not be reached; nothing was recorded or run.
+    """The step store could not be reached.
 
-    It is safe to retry: put it in ``autoretry_for``.
+    The message says whether the step's body ran (a body whose end could not be
+    recorded is in doubt on the next attempt). Inside a worker the attempt is
+    handed over and the task sent again once the store answers, without
+    spending a retry, whether or not ``autoretry_for`` lists it.
     """
 
 
