@@ -22,6 +22,8 @@ import importlib
 import json
 import math
 import pickle
+import pickletools
+import re
 import reprlib
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -48,6 +50,49 @@ _ENCODER = kombu_json.JSONEncoder(allow_nan=False, separators=(",", ":"))
 # The canonical form fingerprints are taken of: sorted keys, NaN written as JSON cannot.
 _CANONICAL = kombu_json.JSONEncoder(sort_keys=True, separators=(",", ":"))
 _DECODER = json.JSONDecoder(object_hook=kombu_json.object_hook)
+# The same encoder writing text as it is, for the rare value whose JSON holds a
+# surrogate escape: only that text tells a lone surrogate from a character outside the BMP.
+_RAW_ENCODER = kombu_json.JSONEncoder(allow_nan=False, separators=(",", ":"),
+                                      ensure_ascii=False)
+# UTF-8 (with surrogatepass, as pickle writes str) of a surrogate: ED A0..BF xx.
+_PICKLED_SURROGATE = re.compile(rb"\xed[\xa0-\xbf]")
+
+
+class UnencodableText(ValueError):
+    """A string that UTF-8 cannot encode: it holds a lone surrogate.
+
+    Raised by the built-in serializers' ``dumps``. Such a string could be kept
+    in the store (JSON escapes it, pickle passes it through), but no reader
+    could print it: a terminal, a pipe, a web page and an export file all need
+    UTF-8, so it is refused when it is recorded.
+    """
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+        super().__init__(
+            f"a string holds a lone surrogate (U+{code:04X}), which UTF-8 cannot encode, so "
+            "no reader could show it; repair the text first, for example with "
+            ".encode('utf-8', 'replace').decode()")
+
+
+def _check_text(text: str) -> None:
+    """Raise :class:`UnencodableText` unless ``text`` can be written as UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise UnencodableText(ord(exc.object[exc.start])) from None
+
+
+def _check_pickled(data: bytes) -> None:
+    """Raise :class:`UnencodableText` for a string in a pickle that UTF-8 cannot encode.
+
+    Only called when the pickle's bytes hold what looks like an encoded
+    surrogate; the strings are read from its opcodes, so bytes objects that
+    happen to hold the same bytes are not taken for text.
+    """
+    for _, arg, _ in pickletools.genops(data):
+        if isinstance(arg, str) and not arg.isascii():
+            _check_text(arg)
 
 
 def canonical_json(value: Any) -> str:
@@ -56,10 +101,24 @@ def canonical_json(value: Any) -> str:
 
 
 class JSONSerializer:
-    """kombu's JSON with its type markers; refuses what JSON cannot hold."""
+    """kombu's JSON with its type markers; refuses what JSON cannot hold.
+
+    The text is ASCII (anything else is escaped), so it fits a database of any
+    encoding. A string holding a lone surrogate is refused
+    (:class:`UnencodableText`): it is written as a surrogate escape, which
+    only appears in the text at all when a value holds a surrogate or a
+    character outside the BMP (an emoji), so only such a value is encoded
+    again to be looked at; any other costs a search of its text for a
+    backslash (and, when it has one, for a surrogate escape).
+    """
 
     def dumps(self, obj: Any) -> str:
-        return _ENCODER.encode(obj)
+        data = _ENCODER.encode(obj)
+        # A surrogate escape needs a backslash: most texts have none, and looking for
+        # one character is much cheaper than looking for three.
+        if "\\" in data and "\\ud" in data:
+            _check_text(_RAW_ENCODER.encode(obj))
+        return data
 
     def loads(self, data: str) -> Any:
         if isinstance(data, str):
@@ -71,7 +130,10 @@ class PickleSerializer:
     """Pickle, base64-armoured so that it fits the same text column."""
 
     def dumps(self, obj: Any) -> str:
-        return base64.b64encode(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if 0xED in data and _PICKLED_SURROGATE.search(data) is not None:
+            _check_pickled(data)  # a lone surrogate: refused, as with JSON
+        return base64.b64encode(data).decode("ascii")
 
     def loads(self, data: str) -> Any:
         return pickle.loads(base64.b64decode(data))  # only when configured: see module docstring
@@ -136,6 +198,49 @@ def _build(name: str, setting: str) -> Serializer:
 
 #: Characters of a serializer name read from a row that a message shows.
 _NAME_SHOWN = 60
+
+# The characters no reader prints as they are, by Unicode category: controls (Cc: C0,
+# DEL and C1, ESC of terminal sequences among them), invisible format characters (Cf:
+# bidi embeddings, overrides, isolates and marks, zero-width characters, tag
+# characters), surrogates (Cs), and the line and paragraph separators (Zl, Zp). Each
+# can make a name or a value look like another one, garble a terminal or break a
+# UTF-8 writer. A few unassigned code points inside these ranges are included.
+_UNSAFE_RANGES = (
+    "\u007f-\u009f\u00ad\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891\u08e2\u180e"
+    "\u200b-\u200f\u2028-\u202e\u2060-\u206f\ud800-\udfff\ufeff\ufff9-\ufffb"
+    "\U000110bd\U000110cd\U00013430-\U0001343f\U0001bca0-\U0001bca3"
+    "\U0001d173-\U0001d17a\U000e0001\U000e0020-\U000e007f")
+#: What :func:`visible` escapes.
+UNSAFE_TEXT = re.compile(f"[\\x00-\\x1f{_UNSAFE_RANGES}]")
+# The same, leaving tabs and line ends alone, for text shown on several lines.
+_UNSAFE_IN_LINES = re.compile(f"[\\x00-\\x08\\x0b\\x0c\\x0e-\\x1f{_UNSAFE_RANGES}]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    if code > 0xFFFF:  # as JSON writes it: a surrogate pair of escapes
+        code -= 0x10000
+        return f"\\u{0xD800 + (code >> 10):04x}\\u{0xDC00 + (code & 0x3FF):04x}"
+    return f"\\u{code:04x}"
+
+
+def visible(text: str, *, lines: bool = False) -> str:
+    """``text`` fit to print anywhere: each character of :data:`UNSAFE_TEXT` escaped.
+
+    A lone surrogate, a bidi override or mark, a C0 or C1 control (ESC among
+    them), a zero-width or other invisible format character becomes a JSON
+    escape (``\\u202e``), so that it is seen where it stands instead of
+    reordering, hiding or garbling what is around it, and UTF-8 can always
+    write the result. In JSON text, which holds such characters only inside
+    strings, the result is still JSON and reads back as the same value.
+    ``lines`` keeps tabs and line ends (text shown on several lines). All
+    other text is returned as it is; text that is all printable is not looked
+    at further. The one helper of every reader: the CLI, the web view and the
+    Django admin.
+    """
+    if text.isprintable():
+        return text
+    return (_UNSAFE_IN_LINES if lines else UNSAFE_TEXT).sub(_escaped, text)
 
 
 def shown_name(name: str) -> str:
@@ -410,8 +515,10 @@ def _walk(value: Any, serializer: Serializer, root: str,
                 tries += 1
                 key_error = _refusal({key: None}, serializer)
                 if key_error is not None:
+                    note = (f", {_surrogate_note(key_error)}"
+                            if isinstance(key_error, UnencodableText) else "")
                     return (_path(root, [*segments, _segment(key)]),
-                            f"{type(key).__name__} (as a dict key)", key_error)
+                            f"{type(key).__name__} (as a dict key{note})", key_error)
         if step is None:
             return _path(root, segments), _kind(node, error), error
         key, node, error = step
@@ -487,14 +594,20 @@ def _kind(value: Any, error: BaseException) -> str:
         return f"{name} ({value!r})"
     if isinstance(error, RecursionError):
         return f"{name} (nested too deep)"
+    if isinstance(error, UnencodableText) and isinstance(value, str):
+        return f"{name} ({_surrogate_note(error)})"
     return name
+
+
+def _surrogate_note(error: UnencodableText) -> str:
+    return f"holds a lone surrogate, U+{error.code:04X}"
 
 
 def _segment(key: Any) -> str:
     """One step of a path into a dict: ``["key"]`` for a string, a short repr otherwise."""
     if isinstance(key, str):
         shown = key if len(key) <= _KEY_CHARS else key[: _KEY_CHARS - 3] + "..."
-        return f"[{json.dumps(shown, ensure_ascii=False)}]"
+        return f"[{visible(json.dumps(shown, ensure_ascii=False))}]"
     short = reprlib.Repr()
     short.maxstring = short.maxother = short.maxlong = _KEY_CHARS
     short.maxlevel = 2
