@@ -89,8 +89,21 @@ def _name_problem(name: str) -> str | None:
         return f"is longer than {MAX_NAME_LENGTH} characters"
     if "/" in name or "#" in name:
         return "contains '/' or '#', which the step key uses for nesting and repetition"
-    if any(ord(ch) < 32 or ord(ch) == 127 for ch in name):
-        return "contains control characters"
+    # Controls (C0, DEL, C1), invisible format characters (bidi overrides, embeddings,
+    # isolates and marks, zero-width ones), surrogates and line separators: each makes
+    # a name look like another where it is shown (a terminal, a web page), or cannot be
+    # written at all. Refused, named by code point; printable names are not looked at.
+    import unicodedata
+
+    refused = {"Cc": "a control character", "Cs": "a lone surrogate",
+               "Cf": "an invisible character that changes how the text around it is shown",
+               "Zl": "a line separator", "Zp": "a paragraph separator"}
+    for ch in name if not name.isprintable() else ():
+        what = refused.get(unicodedata.category(ch))
+        if what is not None:
+            label = unicodedata.name(ch, "")
+            return (f"contains U+{ord(ch):04X}{f' ({label})' if label else ''}, {what}; "
+                    "control characters, bidi controls and marks are refused in step names")
     return None
 
 
