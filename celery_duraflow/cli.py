@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -41,7 +42,7 @@ from ._operations import retry_run
 from ._patched import MARKER_PREFIX
 from ._recovery import recover_forever, sweep
 from ._schema import LATEST_VERSION
-from ._serialization import Unreadable
+from ._serialization import Unreadable, visible
 from ._store import (
     RUN_STATUSES,
     STEP_COMPLETED,
@@ -76,13 +77,13 @@ def _sweep(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
     if once:
         done = sweep(app, limit=limit)
         sent, failed = done.sent, done.failed
-        ctx.obj.echo(f"sent {len(sent)} run(s)" + (": " + " ".join(sent) if sent else ""))
+        _echo(ctx, f"sent {len(sent)} run(s)" + (": " + " ".join(sent) if sent else ""))
         if failed:
-            ctx.obj.echo(f"marked {len(failed)} run(s) failed that cannot be sent (see their "
-                         "error with duraflow show): " + " ".join(failed))
+            _echo(ctx, f"marked {len(failed)} run(s) failed that cannot be sent (see their "
+                       "error with duraflow show): " + " ".join(failed))
         return
-    ctx.obj.echo(f"waking due runs and re-sending lost ones every {interval:g}s "
-                 "(Ctrl-C to stop)")
+    _echo(ctx, f"waking due runs and re-sending lost ones every {interval:g}s "
+               "(Ctrl-C to stop)")
     recover_forever(app, interval=interval, limit=limit)
 
 
@@ -113,9 +114,22 @@ def wake(ctx: click.Context, once: bool, interval: float, limit: int) -> None:
     _sweep(ctx, once, interval, limit)
 
 
+def _echo(ctx: click.Context, text: str) -> None:
+    """Print ``text`` with what could mislead or break a terminal escaped (see
+    :func:`~celery_duraflow._serialization.visible`): a stored name or value may hold a
+    bidi override, a control character or a lone surrogate."""
+    ctx.obj.echo(visible(text, lines=True))
+
+
+def _one_line(text: str) -> str:
+    """``text`` escaped (see :func:`_echo`) and on one line: runs of whitespace become one
+    space."""
+    return " ".join(visible(text, lines=True).split())
+
+
 def _fail(message: str) -> NoReturn:
     """Print ``error: message`` on one line on stderr and exit with status 1."""
-    click.echo("error: " + " ".join(message.split()), err=True)
+    click.echo("error: " + _one_line(message), err=True)
     sys.exit(1)
 
 
@@ -140,10 +154,10 @@ def signal(ctx: click.Context, task_id: str, name: str, payload: str | None) -> 
     except DuraflowError as exc:
         _fail(str(exc))
     if stored:
-        ctx.obj.echo(f"signal {name!r} stored for {task_id}")
+        _echo(ctx, f"signal {name!r} stored for {task_id}")
     else:
-        ctx.obj.echo(f"signal {name!r} was already stored for {task_id}; this payload "
-                     "was ignored (the first one is kept)")
+        _echo(ctx, f"signal {name!r} was already stored for {task_id}; this payload "
+                   "was ignored (the first one is kept)")
 
 
 @duraflow.command(cls=CeleryCommand)
@@ -170,17 +184,17 @@ def patch(ctx: click.Context, name: str, task_name: str | None, limit: int) -> N
     except DuraflowError as exc:
         _fail(str(exc))
     if first is None:
-        ctx.obj.echo(f"patch {name!r}: no run has recorded it yet")
+        _echo(ctx, f"patch {name!r}: no run has recorded it yet")
     else:
-        ctx.obj.echo(f"patch {name!r}: recorded by {_at_least(count)} run(s), first at "
-                     f"{when(first)} UTC")
+        _echo(ctx, f"patch {name!r}: recorded by {_at_least(count)} run(s), first at "
+                   f"{when(first)} UTC")
     if not old:
-        ctx.obj.echo("no unfinished run started before it without it: the old branch can go")
+        _echo(ctx, "no unfinished run started before it without it: the old branch can go")
         return
-    ctx.obj.echo(f"{len(old)} unfinished run(s) may still take the old branch:")
+    _echo(ctx, f"{len(old)} unfinished run(s) may still take the old branch:")
     for run in old:
-        ctx.obj.echo(f"  {run.task_id}  {run.task_name}  {run.status}  "
-                     f"started {when(run.created_at)} UTC")
+        _echo(ctx, f"  {_one_line(run.task_id)}  {_one_line(run.task_name)}  {run.status}  "
+                   f"started {when(run.created_at)} UTC")
     sys.exit(3)
 
 
@@ -254,18 +268,26 @@ def _duration_text(duration: timedelta) -> str:
 
 
 def _print_json(ctx: click.Context, data: Any) -> None:
-    ctx.obj.echo(json.dumps(data, indent=2, default=json_default))
+    _echo(ctx, json.dumps(data, indent=2, default=json_default))
 
 
-def _clip(text: str, width: int) -> str:
-    """``text`` on one line, cut to ``width`` characters with ``...`` when longer."""
-    return clip(" ".join(text.split()), width)
+def _clip(text: str, width: int | None) -> str:
+    """``text`` escaped and on one line (:func:`_one_line`), cut to ``width`` characters
+    with ``...`` when longer; whole when ``width`` is None."""
+    line = _one_line(text)
+    return line if width is None else clip(line, width)
 
 
 def _terminal_width() -> int | None:
-    """The terminal's width (or ``$COLUMNS``); None when there is neither: nothing is cut."""
-    columns = shutil.get_terminal_size((0, 0)).columns
-    return columns or None
+    """The width output must fit: ``$COLUMNS`` when it is set, else the terminal's when
+    standard output is a terminal; None in a pipe or a file, where nothing is cut."""
+    columns = os.environ.get("COLUMNS", "").strip()
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    stream = sys.stdout
+    if stream is None or not stream.isatty():
+        return None
+    return shutil.get_terminal_size((0, 0)).columns or None
 
 
 def _fit(widths: list[int], limit: int, shrink: Sequence[int]) -> tuple[list[int], bool]:
@@ -287,6 +309,8 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *,
     the ``drop`` columns are left out, in that order, until the rest fits (or
     nothing more can be left out).
     """
+    # Escaped and on one line first, so that the widths are those printed.
+    rows = [[_one_line(cell) for cell in row] for row in rows]
     widths = [max([len(header), *(len(row[i]) for row in rows)])
               for i, header in enumerate(headers)]
     keep = list(range(len(headers)))
@@ -302,7 +326,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *,
             widths[i] = width
     lines = []
     for row in [headers, *rows]:
-        cells = [_clip(row[i], widths[i]).ljust(widths[i]) for i in keep]
+        cells = [clip(row[i], widths[i]).ljust(widths[i]) for i in keep]
         lines.append("  ".join(cells).rstrip())
     return lines
 
@@ -364,7 +388,7 @@ def runs(ctx: click.Context, statuses: list[str], task_name: str | None,
         return
     if not found:
         filtered = any(value for value in filters.values())
-        ctx.obj.echo("no runs match these filters" if filtered else "no runs are recorded")
+        _echo(ctx, "no runs match these filters" if filtered else "no runs are recorded")
         return
     now = _clock.now()
     rows = [[s.run.task_id, s.run.task_name, s.run.status, str(s.run.attempts),
@@ -374,7 +398,7 @@ def runs(ctx: click.Context, statuses: list[str], task_name: str | None,
     headers = ["TASK ID", "TASK", "STATUS", "TRIES", "STEPS", "CREATED (UTC)", "UPDATED",
                "WAITS FOR"]
     for line in _table(headers, rows, shrink=(7, 1), drop=(6, 3, 4, 5)):
-        ctx.obj.echo(line)
+        _echo(ctx, line)
     if counts is None:  # pragma: no cover - --json returned above
         return
     total = counts.total
@@ -384,29 +408,30 @@ def runs(ctx: click.Context, statuses: list[str], task_name: str | None,
                           for status, count in counts.counts.items())
     bound = (f"; counted up to {counts.cap:,} per status, so '+' means at least"
              if counts.bounded else "")
-    ctx.obj.echo(f"{total:,}{'+' if counts.bounded else ''} run(s) match: {by_status} "
-                 f"({shown}{bound})")
+    _echo(ctx, f"{total:,}{'+' if counts.bounded else ''} run(s) match: {by_status} "
+               f"({shown}{bound})")
 
 
 # -- show ----------------------------------------------------------------------------------
 
 
-def _step_output(view: StepView) -> str:
-    """A step's output (or error) cut to one short line."""
+def _step_output(view: StepView, width: int | None) -> str:
+    """A step's output (or error) on one line, cut to ``width`` characters unless None."""
     if view.status == STEP_FAILED:
-        return _clip(f"error: {view.error or ''}", OUTPUT_WIDTH)
+        return _clip(f"error: {view.error or ''}", width)
     if view.status not in (STEP_COMPLETED, STEP_WAITING):
         return "-"
-    return _value_line(view.result)
+    return _value_line(view.result, width)
 
 
-def _value_line(value: Any) -> str:
-    """A stored value as short one-line JSON (its ``repr`` if JSON cannot hold it)."""
+def _value_line(value: Any, width: int | None) -> str:
+    """A stored value as one-line JSON (its ``repr`` if JSON cannot hold it), escaped,
+    cut to ``width`` characters unless None."""
     if isinstance(value, Unreadable):
         # Its row names a serializer that is not accepted: the placeholder, whole (the
         # name in it is cut short already; the table cuts it to fit the terminal).
         return str(value)
-    return _clip(json_text(value), OUTPUT_WIDTH)
+    return _clip(json_text(value), width)
 
 
 def _show_json(run: RunView, record: RunRecord | None) -> dict[str, Any]:
@@ -423,7 +448,7 @@ def _show_json(run: RunView, record: RunRecord | None) -> dict[str, Any]:
     return data
 
 
-def _show_header(run: RunView) -> list[tuple[str, str]]:
+def _show_header(run: RunView, cut: bool) -> list[tuple[str, str]]:
     status = run.status
     waits = waits_for(run.wait_kind, run.waiting_for, run.wake_at)
     if waits:
@@ -437,8 +462,8 @@ def _show_header(run: RunView) -> list[tuple[str, str]]:
     if run.lease_owner:
         lines.append(("lease", f"{run.lease_owner} until {when(run.lease_expires_at)}"))
     if run.status == "succeeded":
-        lines.append(("result", _value_line(run.result)))
-    lines += [("error", _clip(run.error, 200) if run.error else "-"),
+        lines.append(("result", _value_line(run.result, OUTPUT_WIDTH if cut else None)))
+    lines += [("error", _clip(run.error, 200 if cut else None) if run.error else "-"),
               ("parent", run.parent_id or "-"),
               ("code", run.code_fingerprint[:16] if run.code_fingerprint else "-")]
     return lines
@@ -455,9 +480,13 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     """Show run TASK_ID and its steps in the order they first started.
 
     The timeline includes compensation records (compensate:KEY) and patch
-    markers (patched:NAME). Step outputs are printed cut to one short line
-    (whole with --json); they may hold personal data. Exit status 0; 1 when
-    no run has that task id or the store cannot be read.
+    markers (patched:NAME). Each step's output is printed on one line: on a
+    terminal (or with $COLUMNS set) cut short to fit its width, into a pipe
+    or a file whole; --json prints them as stored. Outputs may hold personal
+    data. Characters that could garble the terminal or make a name look like
+    another (control characters, bidi overrides, lone surrogates) are printed
+    as escapes such as \u202e. Exit status 0; 1 when no run has that task
+    id or the store cannot be read.
     """
     app = ctx.obj.app
     try:
@@ -470,21 +499,25 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     if as_json:
         _print_json(ctx, _show_json(run, record))
         return
-    header = _show_header(run)
+    # On a terminal outputs are cut short, and the table is fitted to its width; into a
+    # pipe or a file nothing is cut.
+    cut = _terminal_width() is not None
+    header = _show_header(run, cut)
     label_width = max(len(label) for label, _ in header)
     for label, value in header:
-        ctx.obj.echo(f"{label.ljust(label_width)}  {value}")
-    ctx.obj.echo("")
+        _echo(ctx, f"{label.ljust(label_width)}  {_one_line(value)}")
+    _echo(ctx, "")
     if not run.steps:
-        ctx.obj.echo("no steps recorded")
+        _echo(ctx, "no steps recorded")
         return
-    ctx.obj.echo(f"{len(run.steps)} step(s), in the order they first started (times UTC):")
+    _echo(ctx, f"{len(run.steps)} step(s), in the order they first started (times UTC):")
     rows = [[view.key, view.status, str(view.attempts), span(step_duration(view)),
-             when(view.started_at), when(view.completed_at), _step_output(view)]
+             when(view.started_at), when(view.completed_at),
+             _step_output(view, OUTPUT_WIDTH if cut else None)]
             for view in run.steps]
     headers = ["KEY", "STATUS", "TRIES", "DURATION", "STARTED", "COMPLETED", "OUTPUT"]
     for line in _table(headers, rows, shrink=(6, 0), drop=(5, 2, 4)):
-        ctx.obj.echo(line)
+        _echo(ctx, line)
 
 
 # -- histories and the replay check ------------------------------------------------------
@@ -507,7 +540,9 @@ def export(ctx: click.Context, task_id: str) -> None:
         text = _history.dumps(_history.history_of(_store(ctx), task_id))
     except DuraflowError as exc:
         _fail(str(exc))
-    click.echo(text, nl=False)
+    # Escaped as JSON escapes: what a reader cannot print (a lone surrogate, a bidi
+    # control) only ever sits in a string, so the file reads back the same values.
+    click.echo(visible(text, lines=True), nl=False)
 
 
 def _replay_line(result: _replay.ReplayResult) -> str:
@@ -565,12 +600,12 @@ def replay(ctx: click.Context, task_ids: tuple[str, ...], statuses: list[str], l
         _print_json(ctx, [dataclasses.asdict(result) for result in results])
     else:
         for result in results:
-            ctx.obj.echo(_replay_line(result))
+            _echo(ctx, _replay_line(result))
             for note in result.notes:
-                ctx.obj.echo(f"    note: {' '.join(note.split())}")
+                _echo(ctx, f"    note: {' '.join(note.split())}")
         bad = sum(not result.compatible for result in results)
-        ctx.obj.echo(f"{len(results)} run(s) checked: {len(results) - bad} compatible, "
-                     f"{bad} not")
+        _echo(ctx, f"{len(results)} run(s) checked: {len(results) - bad} compatible, "
+                   f"{bad} not")
     if any(not result.compatible for result in results):
         sys.exit(1)
 
@@ -602,11 +637,11 @@ def cancel(ctx: click.Context, task_id: str) -> None:
         _fail(f"cancellation of {task_id} is recorded, but the broker could not be reached to "
               f"send the run ({exc}); the recovery sweep (duraflow recover) sends it")
     if requested:
-        ctx.obj.echo(f"cancellation requested for {task_id}: it stops before its next step, "
-                     "its completed steps are compensated and it ends cancelled")
+        _echo(ctx, f"cancellation requested for {task_id}: it stops before its next step, "
+                   "its completed steps are compensated and it ends cancelled")
     else:
         status = record.status if record is not None else "unknown"
-        ctx.obj.echo(f"run {task_id} already ended ({status}); nothing was cancelled")
+        _echo(ctx, f"run {task_id} already ended ({status}); nothing was cancelled")
 
 
 @duraflow.command(cls=CeleryCommand)
@@ -635,11 +670,11 @@ def retry(ctx: click.Context, task_id: str, from_step: str | None) -> None:
         _fail(f"run {task_id} was reset for a retry, but the broker could not be reached to "
               f"send it ({exc}); the recovery sweep (duraflow recover) sends it")
     if from_step is None:
-        ctx.obj.echo(f"run {task_id} ({run.task_name}) sent again; its completed steps will "
-                     "not run again")
+        _echo(ctx, f"run {task_id} ({run.task_name}) sent again; its completed steps will "
+                   "not run again")
     else:
-        ctx.obj.echo(f"run {task_id} ({run.task_name}) sent again from step {from_step!r}: "
-                     "that step and every later one run again")
+        _echo(ctx, f"run {task_id} ({run.task_name}) sent again from step {from_step!r}: "
+                   "that step and every later one run again")
 
 
 # -- prune and migrate ---------------------------------------------------------------------
@@ -710,11 +745,11 @@ def prune(ctx: click.Context, older_than: timedelta, statuses: list[str],
                  else f"{step_count} steps")
         bound = (f"; counted up to {_admin.COUNT_CAP:,}, so '+' means at least"
                  if max(run_count, tombstones) >= _admin.COUNT_CAP else "")
-        ctx.obj.echo(f"would prune {_at_least(run_count)} run(s) ({steps}): {scope}; "
-                     f"would delete {graves}; nothing was deleted (--dry-run{bound})")
+        _echo(ctx, f"would prune {_at_least(run_count)} run(s) ({steps}): {scope}; "
+                   f"would delete {graves}; nothing was deleted (--dry-run{bound})")
     else:
-        ctx.obj.echo(f"pruned {run_count} run(s) ({step_count} steps): {scope}; "
-                     f"deleted {graves}")
+        _echo(ctx, f"pruned {run_count} run(s) ({step_count} steps): {scope}; "
+                   f"deleted {graves}")
 
 
 def _at_least(count: int) -> str:
@@ -747,10 +782,10 @@ def migrate(ctx: click.Context) -> None:
         _fail(str(exc))
     prefix = store.config.table_prefix
     if applied:
-        ctx.obj.echo(f"applied schema migration(s) {', '.join(map(str, applied))} to the "
-                     f"{prefix}* tables; the schema is at version {LATEST_VERSION}")
+        _echo(ctx, f"applied schema migration(s) {', '.join(map(str, applied))} to the "
+                   f"{prefix}* tables; the schema is at version {LATEST_VERSION}")
     else:
-        ctx.obj.echo(f"schema is up to date (version {LATEST_VERSION})")
+        _echo(ctx, f"schema is up to date (version {LATEST_VERSION})")
 
 
 @duraflow.command(cls=CeleryCommand)
@@ -802,6 +837,6 @@ def web(ctx: click.Context, host: str, port: int, token: str | None,
     except ValueError as exc:
         _fail(str(exc))
     mode = "actions need the token" if token else "read-only (no --token)"
-    ctx.obj.echo(f"serving the runs on http://{host}:{port}{prefix}/ ({mode}); Ctrl-C to stop")
+    _echo(ctx, f"serving the runs on http://{host}:{port}{prefix}/ ({mode}); Ctrl-C to stop")
     serve(ctx.obj.app, host=host, port=port, token=token, allowed_hosts=allowed_hosts,
           url_prefix=prefix)

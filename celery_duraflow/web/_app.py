@@ -12,6 +12,7 @@ from urllib.parse import quote, urlencode
 
 import anyio
 from jinja2 import Environment, PackageLoader, StrictUndefined
+from markupsafe import Markup
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import FormData
@@ -24,6 +25,7 @@ from starlette.routing import Route
 
 from .._format import clip, run_note, span, unwinding_note, waits_for, when
 from .._operations import cancel, retry_run
+from .._serialization import visible
 from .._store import (
     CANCELLED,
     COMPENSATED,
@@ -75,6 +77,21 @@ def _field(form: FormData, name: str) -> str:
     return value if isinstance(value, str) else ""
 
 
+def _visible(value: Any) -> Any:
+    """Every ``{{ ... }}`` of the templates goes through this before it is HTML-escaped.
+
+    Text read from the store may hold a bidi override, a control character or
+    a lone surrogate (a row of an older version, or written by hand): escaped
+    (:func:`~celery_duraflow._serialization.visible`), it is seen where it
+    stands, cannot reorder what is around it, and the page can always be
+    encoded. Markup is the templates' own HTML, made of values that came
+    through here already.
+    """
+    if value is None or isinstance(value, int | float | Markup):
+        return value
+    return visible(value if isinstance(value, str) else str(value), lines=True)
+
+
 def _compact(payload: Any, limit: int = 200) -> str:
     return clip(json.dumps(payload, ensure_ascii=False), limit)
 
@@ -88,7 +105,7 @@ class _Handlers:
         self.prefix = prefix
         self.env = Environment(loader=PackageLoader("celery_duraflow.web", "templates"),
                                autoescape=True, undefined=StrictUndefined,
-                               trim_blocks=True, lstrip_blocks=True)
+                               trim_blocks=True, lstrip_blocks=True, finalize=_visible)
         # The display helpers the CLI uses too (celery_duraflow._format).
         self.env.globals.update(when=when, span=span, waits_for=waits_for, run_note=run_note,
                                 unwinding_note=unwinding_note, statuses=RUN_STATUSES,
