@@ -188,3 +188,35 @@ def test_web_command_serves_the_runs_page(pg_url: str, table_prefix: str) -> Non
         close_all_stores()
         drop_tables(pg_url, table_prefix)
     assert f"serving the runs on http://127.0.0.1:{port}/ (read-only (no --token))" in output
+
+
+@pytest.mark.postgres
+@pytest.mark.subprocess
+def test_show_prints_outputs_whole_into_a_pipe(pg_url: str, table_prefix: str) -> None:
+    """`duraflow show` into a real pipe, without $COLUMNS, prints long outputs and errors whole."""
+    store = Store(load_config({"duraflow_database_url": pg_url,
+                               "duraflow_table_prefix": table_prefix}, environ={}))
+    task_id = f"long-{uuid.uuid4()}"
+    output = json.dumps({"tail": "x" * 400 + "END"})
+    env = proj_env(pg_url, NO_BROKER, table_prefix)
+    env.pop("COLUMNS", None)
+    try:
+        owner = "some-host|x|1|abc"
+        store.begin_attempt(task_id, Delivery(task_name="proj.book_trip", owner=owner))
+        assert store.record_step(task_id, "search", owner, status="completed", output=output,
+                                 serializer="json", started_at=datetime.now(UTC), new=True,
+                                 position=1)
+        assert store.finish_run(task_id, owner, "failed", error="boom " + "y" * 400 + " ERREND")
+        shown = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "show", task_id],
+            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60,
+            check=False)  # capture_output: stdout is a pipe, not a terminal
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()
+        assert lines[-1].split()[:2] == ["search", "completed"]
+        assert lines[-1].endswith(output)
+        assert any(line.endswith(" ERREND") for line in lines)
+    finally:
+        store.close()
+        close_all_stores()
+        drop_tables(pg_url, table_prefix)
