@@ -9,6 +9,7 @@ import logging
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
+from contextvars import ContextVar, Token
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
@@ -802,6 +803,37 @@ def leave(blocks: tuple[Block, ...], how: int, value: Any = None) -> Any:
     return value
 
 
+# The step whose body the code in this context is part of, for a body that hands its work
+# to asyncio tasks it then waits for (an agent framework runs a tool, or a whole agent run,
+# in tasks of its own). The tasks inherit it with the context they are created in; set
+# with ``BodyTasks(step)``.
+_body_of: ContextVar[StepContext | None] = ContextVar("celery_duraflow_body_of", default=None)
+
+
+class BodyTasks:
+    """``with BodyTasks(step):`` around the code of ``step``'s body that starts other tasks.
+
+    A step reached from a task created in there, while ``step`` is the innermost
+    running step, is nested in ``step`` and allowed, though it runs in another
+    asyncio task; a step reached from an unrelated task (a sibling gathered next to
+    it) is still refused by :func:`_refuse_concurrent`.
+    """
+
+    __slots__ = ("_step", "_token")
+
+    def __init__(self, step: StepContext) -> None:
+        self._step = step
+        self._token: Token[StepContext | None] | None = None
+
+    def __enter__(self) -> None:
+        self._token = _body_of.set(self._step)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._token is not None:
+            _body_of.reset(self._token)
+            self._token = None
+
+
 def _refuse_concurrent(ctx: RunContext, name: str, running: StepContext) -> None:
     """Refuse a step reached by another asyncio task while ``running``'s body is awaited."""
     try:
@@ -811,6 +843,10 @@ def _refuse_concurrent(ctx: RunContext, name: str, running: StepContext) -> None
     if here is None or here is running._atask:
         # The same task, or a thread it waits on (a framework runs a plain function
         # handed to it in a thread, with the task's context).
+        return
+    if _body_of.get() is running:
+        # A task started by running's own body, inside BodyTasks(running): the step is
+        # nested in running, reached while running waits for it (delegation), not beside it.
         return
     error = UnsupportedCode(
         f"step {name!r} of task {ctx.task_id} was reached while step {running.key!r} is "

@@ -24,65 +24,40 @@ Outside a durable task the wrapped agent runs unchanged: nothing is stored.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Generator, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generic
 
 from pydantic_ai import Agent
-from pydantic_ai.agent import EventStreamHandler
-from pydantic_ai.capabilities import AbstractCapability
-from pydantic_ai.exceptions import ModelRetry
-from pydantic_ai.messages import (
-    ModelMessage,
-    ModelMessagesTypeAdapter,
-    ModelResponse,
-)
-from pydantic_ai.models import (
-    CompletedStreamedResponse,
-    Model,
-    ModelRequestParameters,
-    StreamedResponse,
-)
-from pydantic_ai.models.wrapper import WrapperModel
+from pydantic_ai.capabilities import HandleDeferredToolCalls
 from pydantic_ai.run import AgentRunResult
-from pydantic_ai.settings import ModelSettings
 from pydantic_ai.tools import (
     AgentDepsT,
+    DeferredToolApprovalResult,
     DeferredToolRequests,
     DeferredToolResults,
     RunContext,
     ToolDenied,
 )
-from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
-from pydantic_ai.toolsets.abstract import ToolsetTool
-from pydantic_core import to_jsonable_python
 
 from .._context import ReplayStop, Suspended, Unwind, current_run
-from .._step import StepContext, _name_problem, step
+from .._context import RunContext as DurableRun
+from .._step import StepContext, _name_problem
 from .._waits import wait_for_signal
-from ..errors import DuraflowError, InvalidStepName, NotInDurableTask, SignalTimeout
+from ..errors import (
+    DuraflowError,
+    InvalidStepName,
+    NotInDurableTask,
+    SignalTimeout,
+    UnsupportedCode,
+)
+from ._pydantic_ai_steps import Durability, LiveEvents, current_tool_step, live_events
 
 __all__ = ["DurableAgent", "tool_step"]
 
-# The stored output of a tool call that raised ModelRetry: the retry is part of the
-# conversation, so a replay raises it again rather than calling the tool.
-_MODEL_RETRY = "model_retry"
-_MARKER = "duraflow"
-_MODEL_RETRY_MARK = "pydantic_ai.ModelRetry"
-
-# Fields of a message that change from one attempt to the next without changing what
-# the model is asked: left out of a model step's input fingerprint.
-_UNSTABLE_FIELDS = frozenset({"timestamp", "run_id", "conversation_id"})
-
-# The StepContext of the tool call running in this context (see tool_step()).
-_current_tool_step: ContextVar[StepContext | None] = ContextVar(
-    "celery_duraflow_pydantic_ai_tool_step", default=None)
-# The run's event_stream_handler, for the model step that streams a live response.
-_stream_handler: ContextVar[EventStreamHandler[Any] | None] = ContextVar(
-    "celery_duraflow_pydantic_ai_stream_handler", default=None)
+# The agents a durable run's attempt has run, by name: one name, one agent.
+_AGENTS_ATTR = "_duraflow_pydantic_ai_agents"
 
 
 def tool_step() -> StepContext:
@@ -96,7 +71,7 @@ def tool_step() -> StepContext:
     Raises :class:`~celery_duraflow.NotInDurableTask` anywhere else: outside a
     tool, or in a tool of an agent run outside a durable task.
     """
-    current = _current_tool_step.get()
+    current = current_tool_step.get()
     if current is None:
         run = current_run.get()
         raise NotInDurableTask(
@@ -106,155 +81,6 @@ def tool_step() -> StepContext:
             "task with base=DurableTask.",
             task_id=run.task_id if run is not None else None)
     return current
-
-
-# -- (de)serializing what the model says and is told ----------------------------------------
-
-
-def _dump_response(response: ModelResponse) -> dict[str, Any]:
-    data: dict[str, Any] = ModelMessagesTypeAdapter.dump_python([response], mode="json")[0]
-    # The graph fills these in for the run that receives the response; a replay belongs
-    # to another run (attempt) and must get them filled in afresh.
-    data["run_id"] = None
-    data["conversation_id"] = None
-    return data
-
-
-def _load_response(data: Any) -> ModelResponse:
-    message = ModelMessagesTypeAdapter.validate_python([data])[0]
-    if not isinstance(message, ModelResponse):  # pragma: no cover - we store responses only
-        raise TypeError(f"a stored model step holds a {type(message).__name__}, not a response")
-    return message
-
-
-def _stable(value: Any) -> Any:
-    """``value`` (JSON data) without the fields that change between attempts."""
-    if isinstance(value, dict):
-        return {k: _stable(v) for k, v in value.items() if k not in _UNSTABLE_FIELDS}
-    if isinstance(value, list):
-        return [_stable(v) for v in value]
-    return value
-
-
-def _request_view(messages: Sequence[ModelMessage],
-                  parameters: ModelRequestParameters) -> dict[str, Any]:
-    """What a model request sends, as attempt-stable JSON data: the input fingerprinted.
-
-    Part kinds, contents, tool names, arguments and call ids, instructions, and the
-    names of the tools offered; not the timestamps and run ids that every attempt
-    makes anew.
-    """
-    return {
-        "messages": _stable(ModelMessagesTypeAdapter.dump_python(list(messages), mode="json")),
-        "tools": [tool.name for tool in parameters.function_tools],
-        "output_tools": [tool.name for tool in parameters.output_tools],
-    }
-
-
-def _jsonable(value: Any) -> Any:
-    # Validated tool arguments may hold models and dataclasses; anything that has no
-    # JSON form is named by its type, never by a repr with an address in it.
-    return to_jsonable_python(value, fallback=lambda obj: f"<{type(obj).__qualname__}>")
-
-
-# -- the model and the toolset of a durable run ---------------------------------------------
-
-
-class DurableModel(WrapperModel):
-    """A model whose requests are steps of the durable run (``<agent name>:model``)."""
-
-    def __init__(self, wrapped: Model, *, step_name: str) -> None:
-        super().__init__(wrapped)
-        self.step_name = step_name
-
-    async def request(self, messages: list[ModelMessage], model_settings: ModelSettings | None,
-                      model_request_parameters: ModelRequestParameters) -> ModelResponse:
-        if current_run.get() is None:
-            return await super().request(messages, model_settings, model_request_parameters)
-
-        async def send() -> dict[str, Any]:
-            response = await self.wrapped.request(messages, model_settings,
-                                                  model_request_parameters)
-            return _dump_response(response)
-
-        s = step(self.step_name, input=_request_view(messages, model_request_parameters))
-        return _load_response(await s.arun(send))
-
-    @asynccontextmanager
-    async def request_stream(self, messages: list[ModelMessage],
-                             model_settings: ModelSettings | None,
-                             model_request_parameters: ModelRequestParameters,
-                             run_context: RunContext[Any] | None = None,
-                             ) -> AsyncIterator[StreamedResponse]:
-        if current_run.get() is None:
-            async with super().request_stream(messages, model_settings, model_request_parameters,
-                                              run_context) as streamed:
-                yield streamed
-            return
-        handler = _stream_handler.get()
-
-        async def stream() -> dict[str, Any]:
-            # The live attempt: the handler gets the real stream's events here, inside the
-            # step; only the final response is recorded.
-            async with self.wrapped.request_stream(messages, model_settings,
-                                                   model_request_parameters,
-                                                   run_context) as streamed:
-                if handler is not None and run_context is not None:
-                    await handler(run_context, streamed)
-                async for _ in streamed:
-                    pass
-            return _dump_response(streamed.get())
-
-        s = step(self.step_name, input=_request_view(messages, model_request_parameters))
-        response = _load_response(await s.arun(stream))
-        # No events: the live attempt delivered them, and a replay must not deliver them again.
-        yield CompletedStreamedResponse(response, model_request_parameters=model_request_parameters,
-                                        replay_events=False)
-
-
-@dataclass
-class DurableToolset(WrapperToolset[AgentDepsT]):
-    """A toolset whose tool calls are steps of the durable run (``<agent name>:tool:<tool>``)."""
-
-    step_prefix: str = ""
-
-    async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: RunContext[AgentDepsT],
-                        tool: ToolsetTool[AgentDepsT]) -> Any:
-        if current_run.get() is None:
-            return await self.wrapped.call_tool(name, tool_args, ctx, tool)
-        s = step(f"{self.step_prefix}{name}", input={"args": _jsonable(tool_args)})
-
-        async def call() -> Any:
-            token = _current_tool_step.set(s)
-            try:
-                return await self.wrapped.call_tool(name, tool_args, ctx, tool)
-            except ModelRetry as retry:
-                # Part of the conversation: recorded, and raised again on every replay.
-                return {_MODEL_RETRY: retry.message, _MARKER: _MODEL_RETRY_MARK}
-            finally:
-                _current_tool_step.reset(token)
-
-        value = await s.arun(call)
-        if (isinstance(value, dict) and value.keys() == {_MODEL_RETRY, _MARKER}
-                and value[_MARKER] == _MODEL_RETRY_MARK):
-            raise ModelRetry(str(value[_MODEL_RETRY]))
-        return value
-
-
-@dataclass
-class _Durability(AbstractCapability[AgentDepsT]):
-    """Installs the durable model and toolset for one run of a :class:`DurableAgent`."""
-
-    name: str = ""
-
-    def get_wrapper_model(self, model: Model) -> Model | None:
-        if isinstance(model, DurableModel):
-            return None
-        return DurableModel(model, step_name=f"{self.name}:model")
-
-    def get_wrapper_toolset(self, toolset: AbstractToolset[AgentDepsT],
-                            ) -> AbstractToolset[AgentDepsT] | None:
-        return DurableToolset(toolset, step_prefix=f"{self.name}:tool:")
 
 
 # -- approvals ------------------------------------------------------------------------------
@@ -362,14 +188,14 @@ class DurableAgent(Generic[AgentDepsT]):
         Takes the arguments of ``Agent.run_sync`` and returns its ``AgentRunResult``.
         Approvals are waited for between the agent's runs, outside its event loop.
         """
-        if current_run.get() is None:
+        run = current_run.get()
+        if run is None:
             return self.agent.run_sync(user_prompt, **kwargs)
-        plan = self._plan(user_prompt, kwargs)
+        plan = self._plan(run, user_prompt, kwargs)
         segment = next(plan)
         while True:
-            handler = segment.pop("event_stream_handler", None)
-            with self._segment(handler):
-                result = self.agent.run_sync(**segment, event_stream_handler=handler)
+            with self._segment(segment) as arguments:
+                result = self.agent.run_sync(**arguments)
             try:
                 segment = plan.send(result)
             except StopIteration as done:
@@ -381,46 +207,134 @@ class DurableAgent(Generic[AgentDepsT]):
 
         Takes the arguments of ``Agent.run`` and returns its ``AgentRunResult``.
         """
-        if current_run.get() is None:
+        run = current_run.get()
+        if run is None:
             return await self.agent.run(user_prompt, **kwargs)
-        plan = self._plan(user_prompt, kwargs)
+        plan = self._plan(run, user_prompt, kwargs)
         segment = next(plan)
         while True:
-            handler = segment.pop("event_stream_handler", None)
-            with self._segment(handler):
-                result = await self.agent.run(**segment, event_stream_handler=handler)
+            with self._segment(segment) as arguments:
+                result = await self.agent.run(**arguments)
             try:
                 segment = plan.send(result)
             except StopIteration as done:
                 final: AgentRunResult[Any] = done.value
                 return final
 
+    # -- the forms that cannot be durable ---------------------------------------------------
+
+    def iter(self, user_prompt: Any = None, **kwargs: Any) -> Any:
+        """:meth:`pydantic_ai.Agent.iter` outside a durable task; refused inside one.
+
+        Code that drives the graph node by node runs between the steps and may change
+        what the next node does, and a wait for an approval cannot suspend it, so a
+        replay could not be trusted to retrace it: inside a durable task this raises
+        :class:`~celery_duraflow.UnsupportedCode` before anything runs.
+        """
+        self._refuse_outside_run("iter()", "drives the agent's graph from your code, "
+                                 "node by node")
+        return self.agent.iter(user_prompt, **kwargs)
+
+    def run_stream(self, user_prompt: Any = None, **kwargs: Any) -> Any:
+        """:meth:`pydantic_ai.Agent.run_stream` outside a durable task; refused inside one.
+
+        It hands the final response back while it is still streaming and leaves the rest
+        of the run to the caller, so the response cannot be recorded as one step before
+        it is used: inside a durable task this raises
+        :class:`~celery_duraflow.UnsupportedCode` before anything runs.
+        """
+        self._refuse_outside_run("run_stream()", "hands the final response to your code "
+                                 "while it is still streaming, before it could be recorded")
+        return self.agent.run_stream(user_prompt, **kwargs)
+
+    def run_stream_sync(self, user_prompt: Any = None, **kwargs: Any) -> Any:
+        """:meth:`pydantic_ai.Agent.run_stream_sync` outside a durable task; refused inside one."""
+        self._refuse_outside_run("run_stream_sync()", "hands the final response to your "
+                                 "code while it is still streaming, before it could be recorded")
+        return self.agent.run_stream_sync(user_prompt, **kwargs)
+
+    def run_stream_events(self, user_prompt: Any = None, **kwargs: Any) -> Any:
+        """:meth:`pydantic_ai.Agent.run_stream_events` outside a durable task; refused inside one.
+
+        Its events are consumed by your code in its own time, in another task, while
+        the run goes on; approvals could not wait there. Inside a durable task this
+        raises :class:`~celery_duraflow.UnsupportedCode` before anything runs.
+        """
+        self._refuse_outside_run("run_stream_events()", "runs the agent in a task of its own "
+                                 "while your code consumes its events")
+        return self.agent.run_stream_events(user_prompt, **kwargs)
+
+    def _refuse_outside_run(self, form: str, why: str) -> None:
+        run = current_run.get()
+        if run is None:
+            return
+        run.fatal = UnsupportedCode(
+            f"DurableAgent {self.name!r}.{form} was called in task {run.task_id}, and it "
+            f"cannot be made durable: it {why}, so a retry could not replay it faithfully. "
+            "Nothing ran. Use run_sync() or await run() instead, with "
+            "event_stream_handler= (or a ProcessEventStream capability on the agent) to "
+            "receive the model's events as they stream in.",
+            task_id=run.task_id, step_key=f"{self.name}:model")
+        raise run.fatal
+
+    # -- one durable run --------------------------------------------------------------------
+
+    def _claim_name(self, run: DurableRun) -> None:
+        """Refuse a second, different agent under a name this attempt already ran."""
+        agents: dict[str, Agent[Any, Any]] | None = getattr(run, _AGENTS_ATTR, None)
+        if agents is None:
+            agents = {}
+            setattr(run, _AGENTS_ATTR, agents)
+        known = agents.setdefault(self.name, self.agent)
+        if known is not self.agent:
+            # Fatal: every retry would reach the same two agents (autoretry_for=(Exception,)
+            # must not run the first agent's side effects again and again).
+            run.fatal = InvalidStepName(
+                f"task {run.task_id} runs two different agents under the DurableAgent name "
+                f"{self.name!r}; their steps would share the keys {self.name + ':model'!r}, "
+                f"{self.name + ':tool:...'!r}, and a replay would hand one agent the other's "
+                "answers. Nothing was asked of the model. Give each agent its own name "
+                "(DurableAgent(agent, name=...)).",
+                task_id=run.task_id, step_key=f"{self.name}:model")
+            raise run.fatal
+
     @contextmanager
-    def _segment(self, handler: EventStreamHandler[Any] | None) -> Iterator[None]:
-        """Around one of the agent's runs: its stream handler for the model steps, tool
-        calls one at a time, and the library's own exception in place of a group."""
-        token = _stream_handler.set(handler)
+    def _segment(self, segment: dict[str, Any]) -> Iterator[dict[str, Any]]:
+        """Around one of the agent's runs: the run handler's live model events, tool calls
+        one at a time, and the library's own exception in place of a group.
+
+        Yields the arguments of the agent's run; its ``event_stream_handler`` is the
+        caller's, made to skip the model events it already got live in a step.
+        """
+        live = LiveEvents(segment.get("event_stream_handler"))
+        arguments = {**segment, "event_stream_handler": live.filtered()}
+        token = live_events.set(live)
         try:
             with self.agent.parallel_tool_call_execution_mode("sequential"):
-                yield
+                yield arguments
         except BaseExceptionGroup as group:
             leaf = _leaf(group)
             if leaf is None:
                 raise
             raise leaf from None
         finally:
-            _stream_handler.reset(token)
+            live_events.reset(token)
 
-    def _plan(self, user_prompt: Any, kwargs: dict[str, Any],
+    def _plan(self, run: DurableRun, user_prompt: Any, kwargs: dict[str, Any],
               ) -> Generator[dict[str, Any], AgentRunResult[Any], AgentRunResult[Any]]:
         """The agent's runs of one durable run: yields the arguments of each, gets its result.
 
         The first run is the caller's; each run that ends with approval requests is
         followed by one that carries the answers (waited for here, between the runs,
-        so a wait's Suspended never passes through the agent's event loop).
+        so a wait's Suspended never passes through the agent's event loop). An agent
+        with output validators cannot be given DeferredToolRequests as a run's output
+        type, so there the approvals are answered inside the run instead, by a
+        HandleDeferredToolCalls capability that waits for the same signals.
         """
+        self._claim_name(run)
         kwargs = dict(kwargs)
-        capabilities = [_Durability[Any](name=self.name), *(kwargs.pop("capabilities", None) or ())]
+        capabilities: list[Any] = [Durability[Any](name=self.name),
+                                   *(kwargs.pop("capabilities", None) or ())]
         output_type = kwargs.pop("output_type", None)
         wanted = output_type if output_type is not None else self.agent.output_type
         caller_handles_deferred = _has_deferred(wanted)
@@ -429,6 +343,7 @@ class DurableAgent(Generic[AgentDepsT]):
         elif output_type is None and getattr(self.agent, "_output_validators", None):
             # Pydantic AI refuses a run's output_type on an agent with output validators.
             run_output_type = None
+            capabilities.append(HandleDeferredToolCalls[Any](handler=self._answer_inline))
         else:
             run_output_type = [wanted, DeferredToolRequests]
         segment = {**kwargs, "user_prompt": user_prompt, "capabilities": capabilities,
@@ -438,24 +353,45 @@ class DurableAgent(Generic[AgentDepsT]):
             output = result.output
             if not isinstance(output, DeferredToolRequests) or caller_handles_deferred:
                 return result
-            if output.calls:
-                names = ", ".join(sorted({call.tool_name for call in output.calls}))
-                raise NotImplementedError(
-                    f"agent {self.name!r} deferred the calls of {names} for external execution; "
-                    "DurableAgent answers approvals only. Put DeferredToolRequests in the "
-                    "output_type to handle deferred calls yourself.")
-            approvals: dict[str, bool | ToolDenied] = {}
-            for call in output.approvals:
-                signal = f"{self.name}:approval:{call.tool_name}"
-                try:
-                    payload = wait_for_signal(signal, timeout=self.approval_timeout)
-                except SignalTimeout:
-                    approvals[call.tool_call_id] = ToolDenied(
-                        f"No approval for the call of {call.tool_name} came in time, so it was "
-                        "not run.")
-                else:
-                    approvals[call.tool_call_id] = _approval(call.tool_name, payload)
+            self._refuse_external(output)
             segment = {**segment, "user_prompt": None, "message_history": result.all_messages(),
-                       "deferred_tool_results": DeferredToolResults(approvals=dict(approvals))}
+                       "deferred_tool_results": DeferredToolResults(
+                           approvals=self._answers(output))}
             segment.pop("conversation", None)
 
+    def _refuse_external(self, requests: DeferredToolRequests) -> None:
+        if requests.calls:
+            run = current_run.get()
+            names = ", ".join(sorted({call.tool_name for call in requests.calls}))
+            error = UnsupportedCode(
+                f"agent {self.name!r} in task {run.task_id if run else None} deferred the "
+                f"calls of {names} for external execution (CallDeferred); DurableAgent answers "
+                "approvals only. The deferral is recorded, so a retry would end here again: "
+                "the run fails rather than being retried. Put DeferredToolRequests in the "
+                "output_type to handle deferred calls yourself.",
+                task_id=run.task_id if run else None, step_key=f"{self.name}:tool:{names}")
+            if run is not None:
+                run.fatal = error
+            raise error
+
+    def _answers(self, requests: DeferredToolRequests,
+                 ) -> dict[str, bool | DeferredToolApprovalResult]:
+        """The answer to each approval request, from its signal (waited for if need be)."""
+        approvals: dict[str, bool | DeferredToolApprovalResult] = {}
+        for call in requests.approvals:
+            signal = f"{self.name}:approval:{call.tool_name}"
+            try:
+                payload = wait_for_signal(signal, timeout=self.approval_timeout)
+            except SignalTimeout:
+                approvals[call.tool_call_id] = ToolDenied(
+                    f"No approval for the call of {call.tool_name} came in time, so it was "
+                    "not run.")
+            else:
+                approvals[call.tool_call_id] = _approval(call.tool_name, payload)
+        return approvals
+
+    async def _answer_inline(self, ctx: RunContext[Any],
+                             requests: DeferredToolRequests) -> DeferredToolResults:
+        """HandleDeferredToolCalls' handler: the approvals' signals, inside the run."""
+        self._refuse_external(requests)
+        return DeferredToolResults(approvals=self._answers(requests))
