@@ -243,6 +243,17 @@ def visible(text: str, *, lines: bool = False) -> str:
     return (_UNSAFE_IN_LINES if lines else UNSAFE_TEXT).sub(_escaped, text)
 
 
+def stored_text(text: str, *, limit: int = 4000) -> str:
+    """An exception's text as a run's or a step's error column keeps it.
+
+    Escaped like :func:`visible` (lines kept), so that a lone surrogate in the text
+    of the user's exception cannot make the driver refuse the row and replace the
+    user's error with its own; cut to ``limit`` characters.
+    """
+    text = visible(text, lines=True)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def shown_name(name: str) -> str:
     """A serializer name read from a row, fit to print: quoted, escaped, cut short."""
     return repr(name if len(name) <= _NAME_SHOWN else name[:_NAME_SHOWN] + "...")

@@ -20,7 +20,7 @@ from ._context import ReplayStop, RunContext, Suspended, Unwind, current_run, de
 from ._fingerprint import code_fingerprint
 from ._lease import keeper
 from ._limits import shown
-from ._serialization import decode, find_unstorable, fingerprint
+from ._serialization import decode, find_unstorable, fingerprint, stored_text
 from ._store import (
     BODY_BREAK,
     BODY_CONTINUE,
@@ -128,8 +128,7 @@ def check_name(name: object, ctx: RunContext | None) -> str:
 
 
 def _error_text(exc: BaseException) -> str:
-    text = f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}"
-    return text if len(text) <= 4000 else text[:3997] + "..."
+    return stored_text(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
 
 
 class StepContext:

@@ -34,6 +34,7 @@ from ._serialization import (
     encode_arguments,
     find_unstorable,
     get_serializer,
+    stored_text,
 )
 from ._signals import install_signal_handlers
 from ._store import (
@@ -345,7 +346,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             # Celery considers the task done, without a result: so is the run. A
             # replaced run's work goes on in its replacement, under a run key of its own.
             self._end(ctx, run, REPLACED if ctx.replaced else IGNORED,
-                      None if ctx.replaced else f"Ignore: {exc}"[:4000] if str(exc) else None)
+                      None if ctx.replaced else stored_text(f"Ignore: {exc}") if str(exc) else None)
             raise
         except LeaseLost as exc:
             logger.warning("task %s: %s", task_id, exc)
@@ -360,7 +361,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                            type(exc).__qualname__)
             if isinstance(exc, Exception) and ctx.compensations:
                 # Failed for good, with completed steps to undo.
-                status = unwind(ctx, run, "failure", f"{type(exc).__qualname__}: {exc}"[:4000])
+                status = unwind(ctx, run, "failure",
+                                stored_text(f"{type(exc).__qualname__}: {exc}"))
                 wake_parent(self._get_app(), replace(run, status=status))
             elif self._record_failure(ctx, exc):
                 wake_parent(self._get_app(), run)
@@ -779,7 +781,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         """Record that the run failed for good; True if it was recorded."""
         try:
             ended = ctx.store.finish_run(ctx.task_id, ctx.owner, FAILED,
-                                         error=f"{type(exc).__qualname__}: {exc}"[:4000])
+                                         error=stored_text(f"{type(exc).__qualname__}: {exc}"))
         except StoreUnavailable:
             logger.warning("could not record the failure of task %s", ctx.task_id, exc_info=True)
             return False

@@ -440,10 +440,6 @@ def test_show_still_fits_a_terminal_width(make_app: Callable[..., Celery]) -> No
 
 
 
-@pytest.mark.xfail(strict=True, reason="the error text is built by _step._error_text and written "
-                   "by the store, neither owned by this change: the driver's UnicodeEncodeError "
-                   "replaces the user's exception and the step's row is lost; passing the text "
-                   "through _serialization.visible() there fixes it")
 def test_an_exception_text_with_a_lone_surrogate_is_recorded_escaped(
         make_app: Callable[..., Celery]) -> None:
     """A body's exception whose text holds a lone surrogate is recorded escaped and propagates."""
@@ -459,3 +455,21 @@ def test_an_exception_text_with_a_lone_surrogate_is_recorded_escaped(
     steps = store_of(app).load_steps(result.id)
     assert steps["charge"].status == "failed"
     assert "card \\ud800 declined" in (steps["charge"].error or "")
+
+
+def test_a_run_error_with_a_lone_surrogate_is_recorded_escaped(
+        make_app: Callable[..., Celery]) -> None:
+    """A task's exception whose text holds a lone surrogate fails the run with its text escaped."""
+    app = make_app()
+
+    @app.task(base=DurableTask, name="text.run_raises")
+    def raises() -> None:
+        with step("look"):
+            pass
+        raise ValueError("card \ud800 declined")
+
+    result = raises.apply()
+    assert isinstance(result.result, ValueError), result.result
+    run = get_run(result.id, app=app)
+    assert run is not None and run.status == "failed"
+    assert "card \\ud800 declined" in (run.error or "")
