@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, text, update
 
 from celery_duraflow import (
     DurableTask,
@@ -21,11 +21,27 @@ from celery_duraflow import (
     retry_run,
     step,
 )
+from celery_duraflow._config import config_for_app
+from celery_duraflow._store import store_for
 from tests.conftest import run_worker, wait_for_status
 
 
 def rerun(app: Celery, task_id: str) -> Any:
-    """Retry an ended run the operator's way (every step replays); wait for its end."""
+    """Retry an ended run the operator's way (every step replays); wait for its end.
+
+    The succeeded run is first recorded as failed after its last step, as if its
+    end had gone wrong: an operator retries a succeeded run only from a named step
+    (which would run that step again), while a failed run's retry replays every
+    completed step, which is what these tests look at.
+    """
+    store = store_for(config_for_app(app))
+    runs = store.tables.runs
+    with store.engine.begin() as conn:
+        failed = conn.execute(
+            update(runs).where(runs.c.task_id == task_id, runs.c.status == "succeeded")
+            .values(status="failed", result=None, serializer=None,
+                    error="RuntimeError: the run's end went wrong")).rowcount
+    assert failed == 1
     retry_run(task_id, app=app)
     return wait_for_status(app, task_id, "succeeded")
 
