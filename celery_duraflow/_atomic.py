@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-from sqlalchemy import event
+from sqlalchemy import MetaData, event
 from sqlalchemy.engine import Connection as Connection  # the type of StepContext.connection
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine as Engine  # the type of the test store's engine
 
 from .errors import AtomicStepError
 
@@ -273,3 +273,47 @@ def guard_engine(engine: Engine) -> None:
 
     event.listen(engine, "commit", refuse("commit"))
     event.listen(engine, "rollback", refuse("rollback"))
+
+
+# -- the tables of the user's own that a test's atomic steps write (celery_duraflow.testing)
+
+#: What a test's own tables are given as (the ``duraflow_tables`` fixture, the ``tables``
+#: argument of ``celery_duraflow.testing.isolated_store``): SQLAlchemy ``MetaData`` whose
+#: tables are created after the store's own and dropped with them, a function given a
+#: ``Connection`` in a transaction on the store's database (to run DDL or insert rows,
+#: say), or a list of these, applied in order. None: no tables of the test's own.
+UserTables: TypeAlias = MetaData | Callable[[Connection], object] | Iterable[
+    MetaData | Callable[[Connection], object]] | None
+
+
+def table_setups(tables: UserTables) -> list[MetaData | Callable[[Connection], object]]:
+    """``tables`` as a list of MetaData and functions, refused if it is anything else."""
+    if tables is None:
+        return []
+    items: Any = [tables] if isinstance(tables, MetaData) or callable(tables) else tables
+    setups: list[Any] = list(items) if isinstance(items, Iterable) else [items]
+    for item in setups:
+        if not (isinstance(item, MetaData) or callable(item)):
+            raise TypeError(
+                "the test's own tables (the duraflow_tables fixture) must be SQLAlchemy "
+                "MetaData, a function taking a Connection, a list of these, or None; got "
+                f"{item!r}")
+    return setups
+
+
+def create_user_tables(engine: Engine, setups: list[MetaData | Callable[[Connection], object]]
+                   ) -> None:
+    with engine.begin() as conn:
+        for setup in setups:
+            if isinstance(setup, MetaData):
+                setup.create_all(conn)
+            else:
+                setup(conn)
+
+
+def drop_user_tables(engine: Engine, setups: list[MetaData | Callable[[Connection], object]]
+                 ) -> None:
+    with engine.begin() as conn:
+        for setup in reversed(setups):
+            if isinstance(setup, MetaData):
+                setup.drop_all(conn)

@@ -14,16 +14,15 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import Any
 
 from celery.signals import task_prerun
-from sqlalchemy import Engine, MetaData
-from sqlalchemy.engine import Connection
 
 from .._admin import list_runs
+from .._atomic import Engine, UserTables, create_user_tables, drop_user_tables, table_setups
 from .._config import _ALIAS_WATCH_ATTR, _CACHE_ATTR, config_for_app
 from .._replay import ReplayResult, check_history
 from .._store import Store, discard_store, store_for
@@ -37,13 +36,6 @@ from ._history import assert_replays
 #: result (``EagerResult``/``AsyncResult``) of the task that started it.
 RunRef = Any
 
-#: What a test's own tables are given as (the ``duraflow_tables`` fixture, the ``tables``
-#: argument of :func:`isolated_store`): SQLAlchemy ``MetaData`` whose tables are created
-#: after the store's own and dropped with them, a function given a ``Connection`` in a
-#: transaction on the store's database (to run DDL or insert rows, say), or a list of
-#: these, applied in order. None: no tables of the test's own.
-UserTables: TypeAlias = MetaData | Callable[[Connection], object] | Iterable[
-    MetaData | Callable[[Connection], object]] | None
 
 _MISSING = object()
 # The settings isolated_store() writes into the app's configuration, besides eagerness.
@@ -343,39 +335,6 @@ class DuraflowStore:
         return attempts[-1]
 
 
-def _table_setups(tables: UserTables) -> list[MetaData | Callable[[Connection], object]]:
-    """``tables`` as a list of MetaData and functions, refused if it is anything else."""
-    if tables is None:
-        return []
-    items: Any = [tables] if isinstance(tables, MetaData) or callable(tables) else tables
-    setups: list[Any] = list(items) if isinstance(items, Iterable) else [items]
-    for item in setups:
-        if not (isinstance(item, MetaData) or callable(item)):
-            raise TypeError(
-                "the test's own tables (the duraflow_tables fixture) must be SQLAlchemy "
-                "MetaData, a function taking a Connection, a list of these, or None; got "
-                f"{item!r}")
-    return setups
-
-
-def _create_tables(engine: Engine, setups: list[MetaData | Callable[[Connection], object]]
-                   ) -> None:
-    with engine.begin() as conn:
-        for setup in setups:
-            if isinstance(setup, MetaData):
-                setup.create_all(conn)
-            else:
-                setup(conn)
-
-
-def _drop_tables(engine: Engine, setups: list[MetaData | Callable[[Connection], object]]
-                 ) -> None:
-    with engine.begin() as conn:
-        for setup in reversed(setups):
-            if isinstance(setup, MetaData):
-                setup.drop_all(conn)
-
-
 @contextmanager
 def isolated_store(app: Any, *, database_url: str | None = None,
                    directory: str | Path | None = None,
@@ -398,7 +357,7 @@ def isolated_store(app: Any, *, database_url: str | None = None,
     dropped again at the end where the store's tables are (a database named by
     ``database_url``).
     """
-    setups = _table_setups(tables)
+    setups = table_setups(tables)
     # A proxy such as celery.current_app: the app it stands for now, compared by identity.
     app = getattr(app, "_get_current_object", lambda: app)()
     drop = database_url is not None
@@ -424,8 +383,8 @@ def isolated_store(app: Any, *, database_url: str | None = None,
         store.ensure_schema()
         if setups:
             if drop:
-                cleanup.callback(_drop_tables, store.engine, setups)
-            _create_tables(store.engine, setups)
+                cleanup.callback(drop_user_tables, store.engine, setups)
+            create_user_tables(store.engine, setups)
         log.connect()
         cleanup.callback(log.disconnect)
         yield DuraflowStore(app, store, eager=eager, log=log)

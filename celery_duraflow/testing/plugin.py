@@ -31,8 +31,9 @@ from typing import Any
 import pytest
 from celery import current_app
 
+from .._atomic import UserTables
 from ._clock_fixture import DuraflowClock, controlled_clock
-from ._store_fixture import DuraflowStore, UserTables, isolated_store
+from ._store_fixture import DuraflowStore, isolated_store
 
 #: The environment variable naming the database for test stores (a CI job sets it).
 DATABASE_URL_VARIABLE = "DURAFLOW_TEST_DATABASE_URL"
