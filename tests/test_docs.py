@@ -244,15 +244,9 @@ def test_readme_install_command_brings_the_client_of_the_readme_broker() -> None
 FROM_INDEX = re.compile(r"pip install\s+(?:-[A-Za-z-]+\s+)*['\"]?celery-duraflow(?:\[|\b)")
 #: The package named as a requirement in prose (`celery-duraflow[otel]`).
 PROSE_REQUIREMENT = re.compile(r"`celery-duraflow\[[^\]]+\]`")
-#: A page another engineer owns, whose commands are fixed there (issue 31).
-PENDING = {"docs/how-to/agents.md"}
 
 
-@pytest.mark.parametrize("page", [
-    pytest.param(page, id=str(page.relative_to(ROOT)), marks=[pytest.mark.xfail(
-        strict=True, reason="its owner fixes its install commands (issue 31)")]
-        if str(page.relative_to(ROOT)) in PENDING else [])
-    for page in pages()])
+@pytest.mark.parametrize("page", pages(), ids=lambda page: str(page.relative_to(ROOT)))
 def test_install_commands_work_from_a_clone(page: Path) -> None:
     """No page installs celery-duraflow by name from an index: it is installed from a clone."""
     text = page.read_text(encoding="utf-8")
