@@ -9,6 +9,7 @@
         ...
 """
 
+from ._flow import Concurrency, Dedupe, RateLimit
 from ._history import export_history
 from ._operations import cancel, retry_run
 from ._patched import patched
@@ -25,6 +26,7 @@ from .errors import (
     ChildTimeout,
     ConfigurationError,
     DuraflowError,
+    FlowKeyError,
     InvalidDuration,
     InvalidStepName,
     InvalidTaskId,
@@ -54,15 +56,19 @@ __all__ = [
     "AtomicStepError",
     "ChildFailed",
     "ChildTimeout",
+    "Concurrency",
     "ConfigurationError",
+    "Dedupe",
     "DurableTask",
     "DuraflowError",
+    "FlowKeyError",
     "InvalidDuration",
     "InvalidStepName",
     "InvalidTaskId",
     "LeaseLost",
     "NonDeterministicReplay",
     "NotInDurableTask",
+    "RateLimit",
     "ReplayResult",
     "RunArgumentsMismatch",
     "RunArgumentsNotSerializable",

@@ -43,6 +43,7 @@ from typing import Any
 from celery import shared_task
 
 from ._config import Config, app_and_config, config_for_app
+from ._flow import send_woken
 from ._send import recorded_arguments, send_run, wake_parent
 from ._store import FAILED, RUNNING, RunRecord, store_for
 from .signals import run_recovered
@@ -159,6 +160,10 @@ def sweep(app: Any = None, *, limit: int = 100) -> SweepResult:
     result = SweepResult()
     seen: set[str] = set()
     arrivals = _arrivals_due(store)
+    # Slots whose holders died: handed to the runs queued for them.
+    for run in store.settle_queues(grace=config.lease_seconds, limit=limit):
+        send_woken(app, [run])
+        result.sent.append(run.task_id)
     while len(result.sent) < limit:
         found = store.recoverable_runs(limit, arrivals=arrivals)
         fresh = [run for run in found if run.task_id not in seen]

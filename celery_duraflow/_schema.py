@@ -47,6 +47,8 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 from sqlalchemy.schema import CreateColumn
 
+from ._flow_schema import flow_tables
+
 # Long enough for Celery's UUIDs and for the ids users choose themselves.
 TASK_ID_LENGTH = 255
 STEP_KEY_LENGTH = 1024
@@ -61,6 +63,15 @@ class Tables:
     runs: Table
     steps: Table
     signals: Table
+    flow_slots: Table
+    flow_waits: Table
+    flow_rates: Table
+    flow_dedupe: Table
+
+    def owned(self) -> tuple[Table, ...]:
+        """Every table of the prefix but the schema version's, in creation order."""
+        return (self.runs, self.steps, self.signals, self.flow_slots, self.flow_waits,
+                self.flow_rates, self.flow_dedupe)
 
 
 @functools.lru_cache(maxsize=64)
@@ -109,8 +120,10 @@ def build_tables(prefix: str) -> Tables:
     _pruned_index(runs)
     _v12_indexes(runs)
     _v13_indexes(runs, steps)
+    slots, waits, rates, dedupe = flow_tables(prefix, metadata)
     return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps,
-                  signals=signals)
+                  signals=signals, flow_slots=slots, flow_waits=waits, flow_rates=rates,
+                  flow_dedupe=dedupe)
 
 
 def _v2_run_columns() -> list[Column[object]]:
@@ -562,6 +575,12 @@ def _v13_operator_indexes(conn: Connection, tables: Tables) -> None:
         index.create(conn)
 
 
+def _v14_flow_control(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    for table in flow_tables(prefix, MetaData()):
+        table.create(conn)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -579,6 +598,8 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
      _v12_partial_run_indexes),
     (13, "live-run listing indexes by status and by task and status; patch marker index",
      _v13_operator_indexes),
+    (14, "flow control: concurrency slots and their queues, rate windows, dedupe keys",
+     _v14_flow_control),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 
@@ -662,7 +683,7 @@ def _create_or_check(conn: Connection, tables: Tables) -> list[int] | None:
             return None
         # The version table may exist, empty; the others were just found missing.
         tables.schema_version.create(conn, checkfirst=True)
-        for table in (tables.runs, tables.steps, tables.signals):
+        for table in tables.owned():
             table.create(conn, checkfirst=False)
         applied_at = datetime.now(UTC)
         conn.execute(tables.schema_version.insert(), [

@@ -18,6 +18,32 @@ from ._store import SUCCEEDED, RunRecord, store_for
 logger = logging.getLogger("celery_duraflow.recovery")
 
 
+# How long a worker may hold an unacknowledged message when broker_transport_options does not
+# say: RabbitMQ's default consumer_timeout, 30 minutes (Redis's visibility_timeout is an hour).
+DEFAULT_BROKER_HOLD_LIMIT = 1800.0
+
+
+def eta_limit(task: Any) -> float:
+    """The longest broker countdown (ETA) a wait is sent with, in seconds.
+
+    A worker holds a message with a countdown unacknowledged until its time. Held longer
+    than the broker allows, it is given to another worker (Redis, SQS:
+    ``visibility_timeout``) or the worker's channel is closed (RabbitMQ:
+    ``consumer_timeout``, PRECONDITION_FAILED, which stops a Celery worker). So a wait
+    is sent with a countdown only under half that limit, read in seconds from
+    ``broker_transport_options`` (``consumer_timeout``, else ``visibility_timeout``;
+    a limit of 30 minutes when neither is there); a longer one is woken by the sweep alone.
+    """
+    conf = getattr(getattr(task, "app", None), "conf", None) or {}
+    options: Any = conf.get("broker_transport_options") or {}
+    for key in ("consumer_timeout", "visibility_timeout"):
+        try:
+            return float(options[key]) / 2
+        except (KeyError, TypeError, ValueError):
+            continue
+    return DEFAULT_BROKER_HOLD_LIMIT / 2
+
+
 def _route(run: RunRecord) -> dict[str, Any]:
     if run.exchange and run.routing_key:
         return {"exchange": run.exchange, "routing_key": run.routing_key}

@@ -36,6 +36,7 @@ from sqlalchemy import (
 
 from ._config import Config
 from ._db import DUPLICATE_KEY, LIKE_ESCAPE, Prepared, like_literal
+from ._flow_store import FlowStatements
 from ._lease import machine_id
 from ._records import (
     BODY_BREAK,
@@ -114,7 +115,7 @@ __all__ = [
 ]
 
 
-class Store(WaitStatements):
+class Store(WaitStatements, FlowStatements):
     """The statements an attempt, a wait and the sweep issue, for one configuration.
 
     The engine, connections, schema and error mapping are :class:`Database`'s.

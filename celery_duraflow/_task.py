@@ -8,6 +8,7 @@ import logging
 import random
 import time
 import types
+from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -18,7 +19,7 @@ from celery.exceptions import Ignore, Reject, Retry
 from celery.result import ResultBase
 from kombu.utils.imports import symbol_by_name
 
-from . import _clock
+from . import _clock, _flow
 from ._canvas import install_canvas_fixes
 from ._compensation import unwind
 from ._config import Config, config_for_app
@@ -184,6 +185,12 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
     #: that could not say so itself (a hard time limit, a lost worker process).
     Request = "celery_duraflow._request:DurableRequest"
 
+    #: Flow control across every worker: :class:`~celery_duraflow.Concurrency` and
+    #: :class:`~celery_duraflow.RateLimit`, checked before the body of every attempt.
+    duraflow_limits: Sequence[_flow.Limit] = ()
+    #: :class:`~celery_duraflow.Dedupe`: one run per key and window, checked when sent.
+    duraflow_dedupe: _flow.Dedupe | None = None
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         run = cls.__dict__.get("run")
@@ -199,6 +206,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             cls.run = staticmethod(prepare(run.__func__))
         elif isinstance(run, types.FunctionType):
             cls.run = prepare(run)
+        _flow.check_declaration(str(cls.__dict__.get("name") or cls.__qualname__), cls.run,
+                                cls.duraflow_limits, cls.duraflow_dedupe)
         if run is not None:
             # Fingerprint the code now, where the task is defined, rather than in the
             # first attempt of some worker thread (the result is cached per code object).
@@ -230,6 +239,21 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             return
         _on_commit(self, "apply_async_on_commit",
                    functools.partial(self.apply_async, *args, **kwargs))
+
+    def apply_async(self, args: Any = None, kwargs: Any = None, task_id: str | None = None,
+                    producer: Any = None, link: Any = None, link_error: Any = None,
+                    shadow: Any = None, **options: Any) -> Any:
+        """Celery's ``apply_async``; with ``duraflow_dedupe``, a send whose key was sent
+        within the window sends nothing and returns that run's result handle."""
+        def send(args: Any, kwargs: Any, **more: Any) -> Any:
+            return super(DurableTask, self).apply_async(
+                args, kwargs, producer=producer, link=link, link_error=link_error,
+                shadow=shadow, **more)
+
+        if (self.duraflow_dedupe is None or options.get("retries")
+                or is_recorded(options) or OUTAGE_HEADER in (options.get("headers") or {})):
+            return send(args, kwargs, task_id=task_id, **options)
+        return _flow.dedupe_send(self, args, kwargs, task_id, options, send)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         request = self.request
@@ -285,6 +309,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                 raise
             finally:
                 keeper().release(store, run_key, owner)
+                if _flow.holds_slots(self):
+                    _flow.leave(self, store, run_key, config.lease_seconds)
                 if attempt_finished.receivers:
                     attempt_finished.send(sender=self, task_id=run_key, attempt=run.attempts,
                                           exception=ended)
@@ -307,6 +333,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                          level=level)
         token = current_run.set(ctx)
         try:
+            _flow.enter(ctx, self, args, kwargs)
             result = self._run_body(args, kwargs)
         except Suspended as suspended:
             # The run sleeps or waits; the wait recorded that and released the lease.

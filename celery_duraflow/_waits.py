@@ -29,7 +29,7 @@ from ._config import Config, app_and_config
 from ._context import ReplayStop, RunContext, Suspended, current_run, describe
 from ._limits import check_signal_name, check_task_id, moment
 from ._limits import seconds as checked_seconds
-from ._send import send_recorded, send_run
+from ._send import eta_limit, send_recorded, send_run
 from ._serialization import decode, encode_arguments, get_serializer
 from ._step import check_name
 from ._store import (
@@ -64,32 +64,6 @@ logger = logging.getLogger("celery_duraflow.waits")
 SEND_SIGNAL_TASK_NAME = "celery_duraflow.send_signal"
 # Child task ids: uuid5(namespace, "<parent task id>/<step key>").
 _CHILD_NAMESPACE = uuid.UUID("0c5b8f5e-61a4-5b0e-8d2e-3f7a9c1d2b4e")
-
-
-# How long a worker may hold an unacknowledged message when broker_transport_options does not
-# say: RabbitMQ's default consumer_timeout, 30 minutes (Redis's visibility_timeout is an hour).
-DEFAULT_BROKER_HOLD_LIMIT = 1800.0
-
-
-def eta_limit(task: Any) -> float:
-    """The longest broker countdown (ETA) a wait is sent with, in seconds.
-
-    A worker holds a message with a countdown unacknowledged until its time. Held longer
-    than the broker allows, it is given to another worker (Redis, SQS:
-    ``visibility_timeout``) or the worker's channel is closed (RabbitMQ:
-    ``consumer_timeout``, PRECONDITION_FAILED, which stops a Celery worker). So a wait
-    is sent with a countdown only under half that limit, read in seconds from
-    ``broker_transport_options`` (``consumer_timeout``, else ``visibility_timeout``;
-    a limit of 30 minutes when neither is there); a longer one is woken by the sweep alone.
-    """
-    conf = getattr(getattr(task, "app", None), "conf", None) or {}
-    options: Any = conf.get("broker_transport_options") or {}
-    for key in ("consumer_timeout", "visibility_timeout"):
-        try:
-            return float(options[key]) / 2
-        except (KeyError, TypeError, ValueError):
-            continue
-    return DEFAULT_BROKER_HOLD_LIMIT / 2
 
 
 def child_task_id(parent_id: str, key: str) -> str:

@@ -114,6 +114,11 @@ class InvalidTaskId(DuraflowError, ValueError):
     """
 
 
+class FlowKeyError(DuraflowError, ValueError):
+    """A flow-control key (of a Concurrency, RateLimit or Dedupe) could not be computed
+    from a run's arguments: the run fails, or the send is refused, before anything runs."""
+
+
 class InvalidDuration(DuraflowError, ValueError):
     """A sleep or timeout that is NaN, infinite, negative where that means nothing, or
     so far away that no timestamp can hold it.

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from celery_duraflow import _config
+from celery_duraflow import DurableTask, _config
 from celery_duraflow._config import DJANGO_KEYS, KNOWN_KEYS, check_keys, load_config
 from celery_duraflow._schema import LATEST_VERSION, build_tables
 from celery_duraflow._send import RECORDED_HEADER
@@ -107,6 +107,8 @@ def classify(name: str) -> str | None:
     key = name.removeprefix("duraflow_")
     if key in KNOWN_KEYS or key in DJANGO_KEYS:
         return "setting"
+    if name in vars(DurableTask):
+        return "task option"
     if name in _fixtures():
         return "fixture"
     if name in {table.name for table in build_tables(_config.DEFAULT_TABLE_PREFIX)

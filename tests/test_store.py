@@ -453,8 +453,7 @@ def test_migrations_build_the_current_model(make_app: Callable[..., Celery]) -> 
     store = _store(make_app())
     store.ensure_schema()
     inspector = inspect(store.engine)
-    for table in (store.tables.runs, store.tables.steps, store.tables.signals,
-                  store.tables.schema_version):
+    for table in (*store.tables.owned(), store.tables.schema_version):
         columns = {c["name"] for c in inspector.get_columns(table.name)}
         assert columns == {c.name for c in table.columns}, table.name
         indexes = {i["name"] for i in inspector.get_indexes(table.name)}

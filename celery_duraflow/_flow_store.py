@@ -1,0 +1,387 @@
+"""The statements of flow control: concurrency slots, their queues, rate windows, dedupe.
+
+Every decision about one limit's key is taken in one transaction that first
+queues behind every other decision about that key: on PostgreSQL with a
+transaction-level advisory lock on the (scope, key) pair (which a transaction
+pooler keeps, since it lasts no longer than the transaction), on SQLite with the
+write lock ``BEGIN IMMEDIATE`` takes. Inside it the rows are read, the limit is
+checked and the slot or window row is written, so two workers can never both
+take the last slot.
+
+A slot row holds its slot only while it is *live* (see :func:`_live`): its run
+still holds the lease the slot was taken under, or, for a slot handed to a
+waiting run that is on its way, until the hand-over expires. A run that ends,
+retries, suspends or dies therefore stops holding its slots in the very
+statement that ends its lease, whatever happens after; the explicit release
+only wakes the next run in the queue sooner.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from sqlalchemy import delete, insert, select, text, update
+from sqlalchemy.engine import Connection
+
+from ._db import Database
+from ._records import FINISHED, RUNNING, WAITING, RunRecord, as_utc, utc_now
+
+SLOT_WAIT: Literal["slot"] = "slot"
+RATE_WAIT: Literal["rate"] = "rate"
+
+
+def slot_label(scope: str, key: str) -> str:
+    """What a run queued for a slot waits for, as its row says: ``scope/key``."""
+    return f"{scope}/{key}"
+
+
+@dataclass(frozen=True)
+class SlotAnswer:
+    """The outcome of asking for a concurrency slot.
+
+    ``state`` is ``granted`` (the attempt holds the slot), ``waiting`` (the run
+    is queued and suspended: its lease is released), or ``lost`` (the attempt
+    no longer holds the run's lease). ``position`` is the run's place in the
+    key's queue (1 is next), ``woken`` the runs this transaction handed a slot
+    to, which the caller sends once it returns.
+    """
+
+    state: Literal["granted", "waiting", "lost"]
+    position: int
+    live: int
+    woken: list[RunRecord]
+
+
+@dataclass(frozen=True)
+class QueuedRun:
+    """A run in a key's queue, for the operator's views."""
+
+    scope: str
+    key: str
+    task_id: str
+    position: int
+    limit: int
+    holding: int
+    queued_at: datetime
+
+
+class _LeaseGone(Exception):
+    """The attempt lost the run's lease while queueing: its transaction is rolled back."""
+
+    def __init__(self, position: int) -> None:
+        super().__init__(position)
+        self.position = position
+
+
+def _lock_key(prefix: str, scope: str, key: str) -> int:
+    digest = hashlib.blake2b(f"celery-duraflow-flow:{prefix}:{scope}\x00{key}".encode(),
+                             digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)
+
+
+def _live(row: Any, now: datetime) -> bool:
+    """Whether a slot row (joined with its run) holds its slot at ``now``."""
+    if row.status is None or row.status in FINISHED:
+        return False
+    if row.owner is None:
+        expires = as_utc(row.expires_at)
+        return expires is not None and expires > now
+    lease = as_utc(row.lease_expires_at)
+    return (row.status == RUNNING and row.lease_owner == row.owner and lease is not None
+            and lease > now)
+
+
+class FlowStatements(Database):
+    """Take and free concurrency slots, queue for them, use rate windows, dedupe sends."""
+
+    def _flow_lock(self, conn: Connection, scope: str, key: str) -> None:
+        if self.dialect == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"),
+                         {"k": _lock_key(self.config.table_prefix, scope, key)})
+
+    # -- concurrency ----------------------------------------------------------------------
+
+    def _slot_rows(self, conn: Connection, scope: str, key: str) -> list[Any]:
+        slots, runs = self.tables.flow_slots, self.tables.runs
+        stmt = (select(slots.c.slot, slots.c.task_id, slots.c.owner, slots.c.expires_at,
+                       runs.c.status, runs.c.lease_owner, runs.c.lease_expires_at)
+                .select_from(slots.outerjoin(runs, runs.c.task_id == slots.c.task_id))
+                .where(slots.c.scope == scope, slots.c.key == key))
+        return list(conn.execute(stmt))
+
+    def _queue(self, conn: Connection, scope: str, key: str) -> list[Any]:
+        waits, runs = self.tables.flow_waits, self.tables.runs
+        stmt = (select(waits.c.task_id, waits.c.queued_at, waits.c.limit, runs.c.status,
+                       runs.c.wait_kind, runs.c.waiting_for)
+                .select_from(waits.outerjoin(runs, runs.c.task_id == waits.c.task_id))
+                .where(waits.c.scope == scope, waits.c.key == key)
+                .order_by(waits.c.queued_at, waits.c.task_id))
+        return list(conn.execute(stmt))
+
+    def _settle(self, conn: Connection, scope: str, key: str, now: datetime, grace: float,
+                keep: str | None = None) -> tuple[set[int], list[Any], list[RunRecord]]:
+        """Drop dead slot rows and stale queue entries; hand free slots to the queue.
+
+        Slots go to the queued runs strictly oldest first, each while fewer slots
+        are live than the limit it queued under. Returns the slot numbers in use,
+        the queue left and the runs woken. ``keep`` is a run whose rows are left
+        as they are, live or not (the caller's own).
+        """
+        slots, waits, runs = self.tables.flow_slots, self.tables.flow_waits, self.tables.runs
+        used: set[int] = set()
+        live = 0
+        for row in self._slot_rows(conn, scope, key):
+            if row.task_id == keep or _live(row, now):
+                used.add(row.slot)
+                live += 1
+            else:
+                conn.execute(delete(slots).where(slots.c.scope == scope, slots.c.key == key,
+                                                 slots.c.slot == row.slot))
+        label = slot_label(scope, key)
+        woken: list[RunRecord] = []
+        left: list[Any] = []
+        for entry in self._queue(conn, scope, key):
+            if entry.status is None or entry.status in FINISHED:
+                conn.execute(delete(waits).where(waits.c.scope == scope, waits.c.key == key,
+                                                 waits.c.task_id == entry.task_id))
+                continue
+            ready = (entry.status == WAITING and entry.wait_kind == SLOT_WAIT
+                     and entry.waiting_for == label and entry.task_id != keep)
+            if left or not ready or live >= entry.limit:
+                # Strictly in order: nobody is served past the head of the queue.
+                left.append(entry)
+                continue
+            row = conn.execute(
+                update(runs)
+                .where(runs.c.task_id == entry.task_id, runs.c.status == WAITING,
+                       runs.c.wait_kind == SLOT_WAIT, runs.c.waiting_for == label)
+                .values(status=RUNNING, lease_owner=None,
+                        lease_expires_at=now + timedelta(seconds=grace), updated_at=now,
+                        wait_kind=None, waiting_for=None, wake_at=None)
+                .returning(*runs.c)).first()
+            conn.execute(delete(waits).where(waits.c.scope == scope, waits.c.key == key,
+                                             waits.c.task_id == entry.task_id))
+            if row is None:
+                continue
+            number = _free_number(used)
+            conn.execute(insert(slots).values(
+                scope=scope, key=key, slot=number, task_id=entry.task_id, owner=None,
+                granted_at=now, expires_at=now + timedelta(seconds=2 * grace)))
+            used.add(number)
+            live += 1
+            woken.append(RunRecord.from_row(row))
+        return used, left, woken
+
+    def acquire_slot(self, task_id: str, owner: str, *, scope: str, key: str, limit: int,
+                     grace: float, sweep_after: float | None) -> SlotAnswer:
+        """Take a slot of ``scope``/``key`` for this attempt, or queue and suspend the run.
+
+        A slot handed to this run while it waited is taken over by this
+        attempt. Otherwise a slot is taken if fewer than ``limit`` are live and
+        no run queued before this one still waits. If none can be taken, the
+        run is queued (keeping its place if it already was) and suspended in
+        the same transaction, so a slot freed at that moment is handed to it,
+        not lost.
+        """
+        try:
+            return self._acquire_slot(task_id, owner, scope=scope, key=key, limit=limit,
+                                      grace=grace, sweep_after=sweep_after)
+        except _LeaseGone as gone:
+            return SlotAnswer("lost", gone.position, 0, [])
+
+    def _acquire_slot(self, task_id: str, owner: str, *, scope: str, key: str, limit: int,
+                      grace: float, sweep_after: float | None) -> SlotAnswer:
+        slots, waits, runs = self.tables.flow_slots, self.tables.flow_waits, self.tables.runs
+        with self.transaction("taking a concurrency slot", task_id) as conn:
+            self._flow_lock(conn, scope, key)
+            now = utc_now()
+            used, queue, woken = self._settle(conn, scope, key, now, grace, keep=task_id)
+            mine = [row for row in self._slot_rows(conn, scope, key) if row.task_id == task_id]
+            ahead = [entry for entry in queue if entry.task_id != task_id]
+            live = len(used) - len(mine)
+            if mine or (not ahead and live < limit):
+                if mine:
+                    conn.execute(update(slots).where(
+                        slots.c.scope == scope, slots.c.key == key,
+                        slots.c.task_id == task_id).values(owner=owner, expires_at=None))
+                else:
+                    conn.execute(insert(slots).values(
+                        scope=scope, key=key, slot=_free_number(used), task_id=task_id,
+                        owner=owner, granted_at=now, expires_at=None))
+                conn.execute(delete(waits).where(waits.c.scope == scope, waits.c.key == key,
+                                                 waits.c.task_id == task_id))
+                return SlotAnswer("granted", 0, live + 1, woken)
+            queued = next((e for e in queue if e.task_id == task_id), None)
+            if queued is None:
+                conn.execute(insert(waits).values(scope=scope, key=key, task_id=task_id,
+                                                  queued_at=now, limit=limit))
+                position = len(ahead) + 1
+            else:
+                conn.execute(update(waits).where(
+                    waits.c.scope == scope, waits.c.key == key,
+                    waits.c.task_id == task_id).values(limit=limit))
+                position = [e.task_id for e in queue].index(task_id) + 1
+            expires = None if sweep_after is None else now + timedelta(seconds=sweep_after)
+            suspended = conn.execute(
+                update(runs).where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
+                .values(status=WAITING, wait_kind=SLOT_WAIT,
+                        waiting_for=slot_label(scope, key), wake_at=None, lease_owner=None,
+                        lease_expires_at=expires, updated_at=now, interrupted=False)).rowcount
+            if not suspended:
+                raise _LeaseGone(position)  # rolls the queue entry back
+            return SlotAnswer("waiting", position, live, woken)
+
+    def release_slots(self, task_id: str, *, grace: float) -> list[RunRecord]:
+        """Free what an attempt of ``task_id`` that just ended holds; hand it on.
+
+        Its slot rows go (they stopped being live when its lease ended); its
+        queue entries go too, except the one it is suspended on. Returns the
+        runs woken with the freed slots, for the caller to send.
+        """
+        slots, waits = self.tables.flow_slots, self.tables.flow_waits
+        with self._read("reading the run's concurrency slots", task_id) as conn:
+            keys = {(row.scope, row.key) for row in conn.execute(
+                select(slots.c.scope, slots.c.key).where(slots.c.task_id == task_id))}
+            keys |= {(row.scope, row.key) for row in conn.execute(
+                select(waits.c.scope, waits.c.key).where(waits.c.task_id == task_id))}
+        woken: list[RunRecord] = []
+        for scope, key in sorted(keys):
+            with self.transaction("freeing a concurrency slot", task_id) as conn:
+                self._flow_lock(conn, scope, key)
+                run = conn.execute(select(self.tables.runs.c.status,
+                                          self.tables.runs.c.wait_kind,
+                                          self.tables.runs.c.waiting_for)
+                                   .where(self.tables.runs.c.task_id == task_id)).first()
+                waiting_here = (run is not None and run.status == WAITING
+                                and run.wait_kind == SLOT_WAIT
+                                and run.waiting_for == slot_label(scope, key))
+                conn.execute(delete(slots).where(slots.c.scope == scope, slots.c.key == key,
+                                                 slots.c.task_id == task_id,
+                                                 slots.c.owner.is_not(None)))
+                if not waiting_here:
+                    conn.execute(delete(waits).where(
+                        waits.c.scope == scope, waits.c.key == key,
+                        waits.c.task_id == task_id))
+                woken += self._settle(conn, scope, key, utc_now(), grace)[2]
+        return woken
+
+    def settle_queues(self, *, grace: float, limit: int) -> list[RunRecord]:
+        """For the sweep: hand the slots that died with their holders to the queues.
+
+        A holder killed with its slot stops holding it when its lease expires;
+        nobody frees it explicitly, so each key with a queue is looked at here.
+        """
+        waits = self.tables.flow_waits
+        with self._read("looking for concurrency queues") as conn:
+            keys = [(row.scope, row.key) for row in conn.execute(
+                select(waits.c.scope, waits.c.key).distinct()
+                .order_by(waits.c.scope, waits.c.key).limit(limit))]
+        woken: list[RunRecord] = []
+        for scope, key in keys:
+            with self.transaction("handing on concurrency slots") as conn:
+                self._flow_lock(conn, scope, key)
+                woken += self._settle(conn, scope, key, utc_now(), grace)[2]
+        return woken
+
+    def queued(self, task_id: str) -> list[QueuedRun]:
+        """Where run ``task_id`` stands in the queues it is in (for ``show`` and the views)."""
+        waits = self.tables.flow_waits
+        answer: list[QueuedRun] = []
+        with self._read("reading the run's place in its queues", task_id) as conn:
+            entries = list(conn.execute(select(waits).where(waits.c.task_id == task_id)))
+            now = utc_now()
+            for entry in entries:
+                queue = self._queue(conn, entry.scope, entry.key)
+                order = [row.task_id for row in queue]
+                holding = sum(1 for row in self._slot_rows(conn, entry.scope, entry.key)
+                              if _live(row, now))
+                answer.append(QueuedRun(
+                    scope=entry.scope, key=entry.key, task_id=task_id,
+                    position=order.index(task_id) + 1 if task_id in order else 0,
+                    limit=entry.limit, holding=holding,
+                    queued_at=as_utc(entry.queued_at) or now))
+        return answer
+
+    # -- rate limits -------------------------------------------------------------------------
+
+    def take_rate(self, task_id: str, *, scope: str, key: str, limit: int,
+                  per: float) -> datetime | None:
+        """Use one of ``limit`` calls per ``per`` seconds of ``scope``/``key``.
+
+        None when one was used; otherwise the moment the next one frees (the
+        oldest use plus ``per``). Each of the key's ``limit`` rows is used at
+        most once per ``per`` seconds of the store's clock, so no window of
+        that length ever holds more than ``limit`` uses, across every host.
+        """
+        rates = self.tables.flow_rates
+        with self.transaction("using a rate limit", task_id) as conn:
+            self._flow_lock(conn, scope, key)
+            now = utc_now()
+            rows = list(conn.execute(select(rates.c.slot, rates.c.used_at).where(
+                rates.c.scope == scope, rates.c.key == key, rates.c.slot < limit)))
+            taken = {row.slot for row in rows}
+            if len(taken) < limit:
+                conn.execute(insert(rates).values(scope=scope, key=key,
+                                                  slot=_free_number(taken), used_at=now,
+                                                  task_id=task_id))
+                return None
+            oldest = min(rows, key=lambda row: as_utc(row.used_at) or now)
+            free_at = (as_utc(oldest.used_at) or now) + timedelta(seconds=per)
+            if free_at > now:
+                return free_at
+            conn.execute(update(rates).where(rates.c.scope == scope, rates.c.key == key,
+                                             rates.c.slot == oldest.slot)
+                         .values(used_at=now, task_id=task_id))
+            return None
+
+    # -- dedupe ------------------------------------------------------------------------------
+
+    def claim_dedupe(self, *, scope: str, key: str, task_id: str, window: float,
+                     run: dict[str, Any]) -> str:
+        """The task id that owns dedupe key ``scope``/``key`` now: ``task_id`` if this call
+        claimed it (its run row, ``run``, is written in the same transaction, so the
+        sweep sends it should the caller die before sending), else the earlier one's."""
+        dedupe, runs = self.tables.flow_dedupe, self.tables.runs
+        with self.transaction("claiming a dedupe key", task_id) as conn:
+            self._flow_lock(conn, scope, key)
+            now = utc_now()
+            row = conn.execute(select(dedupe.c.task_id, dedupe.c.expires_at).where(
+                dedupe.c.scope == scope, dedupe.c.key == key)).first()
+            expires = as_utc(row.expires_at) if row is not None else None
+            if row is not None and expires is not None and expires > now:
+                return str(row.task_id)
+            if row is not None:
+                conn.execute(delete(dedupe).where(dedupe.c.scope == scope,
+                                                  dedupe.c.key == key))
+            conn.execute(insert(dedupe).values(scope=scope, key=key, task_id=task_id,
+                                               created_at=now,
+                                               expires_at=now + timedelta(seconds=window)))
+            exists_already = conn.execute(select(runs.c.task_id).where(
+                runs.c.task_id == task_id)).first()
+            if exists_already is None:
+                conn.execute(insert(runs).values(
+                    task_id=task_id, created_at=now, updated_at=now, status=RUNNING,
+                    attempts=0, retries=0, recoveries=0, interrupted=False,
+                    lease_expires_at=now + timedelta(seconds=self.config.lease_seconds),
+                    **run))
+            return task_id
+
+    def prune_flow(self, before: datetime) -> int:
+        """Delete dedupe keys whose window ended before ``before``; how many went."""
+        dedupe = self.tables.flow_dedupe
+        with self._write("pruning dedupe keys") as conn:
+            return int(conn.execute(delete(dedupe).where(dedupe.c.expires_at < before))
+                       .rowcount or 0)
+
+
+def _free_number(used: Sequence[int] | set[int]) -> int:
+    """The smallest slot number not in ``used``."""
+    taken = set(used)
+    number = 0
+    while number in taken:
+        number += 1
+    return number

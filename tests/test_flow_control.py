@@ -1,0 +1,345 @@
+"""Flow control on a real (in-process) worker: concurrency per key, rate limits, dedupe.
+
+Every test runs on SQLite, on PostgreSQL and through PgBouncer in transaction mode
+(the slot decisions take a transaction-level advisory lock, which a pooler must
+keep). A ledger outside the store records when each body ran, so the limits are
+checked on what the bodies did, not on what the store says.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from celery import Celery
+from sqlalchemy import select
+
+from celery_duraflow import (
+    Concurrency,
+    ConfigurationError,
+    Dedupe,
+    DurableTask,
+    FlowKeyError,
+    RateLimit,
+    get_run,
+    recover,
+    step,
+)
+from celery_duraflow._clock import now as store_now
+from celery_duraflow._config import config_for_app
+from celery_duraflow._store import store_for
+from tests.conftest import run_worker, wait_for_status
+
+pytestmark = pytest.mark.pooled
+
+RESULT_TIMEOUT = 60.0
+
+
+class Ledger:
+    """When each body started and ended, by key: kept in the test process, not the store."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.intervals: list[tuple[str, str, float, float]] = []
+        self.starts: list[tuple[str, str, float]] = []
+
+    def run(self, key: str, name: str, seconds: float) -> None:
+        start = store_now().timestamp()
+        with self.lock:
+            self.starts.append((key, name, start))
+        time.sleep(seconds)
+        with self.lock:
+            self.intervals.append((key, name, start, store_now().timestamp()))
+
+    def most_at_once(self, key: str) -> int:
+        events = sorted([(start, 1) for k, _, start, _ in self.intervals if k == key]
+                        + [(end, -1) for k, _, _, end in self.intervals if k == key],
+                        key=lambda event: (event[0], event[1]))
+        most = current = 0
+        for _, change in events:
+            current += change
+            most = max(most, current)
+        return most
+
+
+def _worker_app(make_app: Callable[..., Celery], **conf: Any) -> Celery:
+    return make_app(eager=False, **{"duraflow_lease_seconds": 5.0, **conf})
+
+
+def test_concurrency_limit_per_key_holds_on_a_threaded_worker(
+        make_app: Callable[..., Celery]) -> None:
+    """With 6 worker threads and Concurrency(2) per tenant, no tenant ever has 3 bodies at once."""
+    app = _worker_app(make_app)
+    ledger = Ledger()
+
+    @app.task(base=DurableTask, duraflow_limits=[Concurrency(2, key="tenant")])
+    def work(tenant: str, n: int) -> int:
+        with step("call"):
+            ledger.run(tenant, str(n), 0.25)
+        return n
+
+    with run_worker(app, pool="threads", concurrency=6):
+        results = [work.delay(tenant, n) for n in range(8) for tenant in ("a", "b")]
+        assert sorted(r.get(timeout=RESULT_TIMEOUT) for r in results) == sorted(
+            list(range(8)) * 2)
+    assert len(ledger.intervals) == 16
+    assert ledger.most_at_once("a") == 2 and ledger.most_at_once("b") == 2
+    for result in results:
+        run = get_run(result.id, app=app)
+        assert run is not None and run.status == "succeeded" and run.retries == 0
+    store = store_for(config_for_app(app))
+    with store.reading("test") as conn:
+        assert list(conn.execute(select(store.tables.flow_slots))) == []
+        assert list(conn.execute(select(store.tables.flow_waits))) == []
+
+
+def test_runs_over_the_limit_wait_without_a_worker_and_start_in_order(
+        make_app: Callable[..., Celery]) -> None:
+    """Queued runs are `waiting` on their slot (no worker held) and get it oldest first."""
+    app = _worker_app(make_app)
+    ledger = Ledger()
+    gate = threading.Event()
+
+    @app.task(base=DurableTask, duraflow_limits=[Concurrency(1, key="account")])
+    def work(account: str, n: int) -> int:
+        with step("call"):
+            if n == 0:
+                assert gate.wait(30)
+            ledger.run(account, str(n), 0.01)
+        return n
+
+    with run_worker(app, pool="threads", concurrency=2):
+        first = work.delay("acme", 0)
+        wait_for_status(app, first.id, "running")
+        queued = []
+        for n in range(1, 5):
+            queued.append(work.delay("acme", n))
+            run = wait_for_status(app, queued[-1].id, "waiting")
+            assert run.wait_kind == "slot" and run.waiting_for == f"{work.name}/acme"
+        # Four runs wait and the second worker thread is free: nothing is held.
+        other = work.delay("other", 99)
+        assert other.get(timeout=RESULT_TIMEOUT) == 99
+        store = store_for(config_for_app(app))
+        places = [store.queued(r.id)[0].position for r in queued]
+        assert places == [1, 2, 3, 4]
+        gate.set()
+        assert [r.get(timeout=RESULT_TIMEOUT) for r in queued] == [1, 2, 3, 4]
+    order = [name for key, name, _ in ledger.starts if key == "acme"]
+    assert order == ["0", "1", "2", "3", "4"]
+
+
+def test_a_failed_or_retried_attempt_frees_its_slot_at_once(
+        make_app: Callable[..., Celery]) -> None:
+    """A run that fails for good, and an attempt that asks for a retry, hand their slot on."""
+    app = _worker_app(make_app)
+    calls: list[str] = []
+
+    @app.task(base=DurableTask, bind=True, max_retries=1, default_retry_delay=0,
+              duraflow_limits=[Concurrency(1)])
+    def work(self: Any, what: str) -> str:
+        with step("call"):
+            calls.append(f"{what}:{self.request.retries}")
+        if what == "fail":
+            raise ValueError("no")
+        if what == "retry" and self.request.retries == 0:
+            raise self.retry()
+        return what
+
+    with run_worker(app, pool="threads", concurrency=3):
+        failing = work.delay("fail")
+        retried = work.delay("retry")
+        plain = work.delay("plain")
+        assert plain.get(timeout=RESULT_TIMEOUT) == "plain"
+        assert retried.get(timeout=RESULT_TIMEOUT) == "retry"
+        with pytest.raises(ValueError):
+            failing.get(timeout=RESULT_TIMEOUT)
+    assert sorted(calls) == ["fail:0", "plain:0", "retry:0"]
+    run = get_run(retried.id, app=app)
+    assert run is not None and run.status == "succeeded" and run.retries == 1
+
+
+def test_a_dead_holders_slot_is_free_once_its_lease_expires(
+        make_app: Callable[..., Celery]) -> None:
+    """A slot whose attempt died is handed to the queue by the sweep once the lease expires."""
+    app = _worker_app(make_app, duraflow_lease_seconds=1.0)
+    ledger = Ledger()
+
+    @app.task(base=DurableTask, duraflow_limits=[Concurrency(1, key="k")])
+    def work(k: str, n: int) -> int:
+        with step("call"):
+            ledger.run(k, str(n), 0.01)
+        return n
+
+    store = store_for(config_for_app(app))
+    # An attempt that took the slot and died: its run's lease ends, nothing frees the slot.
+    from celery_duraflow._store import Delivery
+    dead = store.begin_attempt("dead-holder", Delivery(
+        task_name=work.name, owner="gone-worker", args=None, args_fingerprint=None,
+        exchange=None, routing_key=None, retries=0, code_fingerprint=None, first=True))[0]
+    assert dead.lease_owner == "gone-worker"
+    answer = store.acquire_slot("dead-holder", "gone-worker", scope=work.name, key="x",
+                                limit=1, grace=1.0, sweep_after=None)
+    assert answer.state == "granted"
+    with run_worker(app, pool="threads", concurrency=2):
+        waiting = work.delay("x", 1)
+        wait_for_status(app, waiting.id, "waiting")
+        time.sleep(1.2)  # the dead attempt's lease expires
+        recover(app)
+        assert waiting.get(timeout=RESULT_TIMEOUT) == 1
+
+
+@pytest.mark.parametrize("limits, problem", [
+    ("not a list", "must be a list"),
+    ([object()], "neither a Concurrency"),
+    ([Concurrency(1, key="nope")], "names no parameter"),
+])
+def test_a_limit_that_cannot_be_applied_is_refused_when_the_task_is_defined(
+        make_app: Callable[..., Celery], limits: Any, problem: str) -> None:
+    """duraflow_limits with a wrong type or an unknown parameter fails when the task is built."""
+    app = make_app()
+    with pytest.raises(ConfigurationError, match=problem):
+        @app.task(base=DurableTask, duraflow_limits=limits)
+        def work(tenant: str) -> None:
+            pass
+
+        # Celery builds a task's class when it is first used (or the app is finalized).
+        assert work.name
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda: Concurrency(0), "at least 1"),
+    (lambda: Concurrency(True), "at least 1"),  # type: ignore[arg-type]
+    (lambda: RateLimit(5, per=float("inf")), "finite"),
+    (lambda: RateLimit(5, per=float("nan")), "finite"),
+    (lambda: RateLimit(5, per=0), "above 0"),
+    (lambda: RateLimit(-1, per=1), "at least 1"),
+    (lambda: Dedupe(key="a", window=timedelta(seconds=-1)), "above 0"),
+    (lambda: Dedupe(key=None, window=1), "needs a key"),
+    (lambda: Concurrency(1, key=3), "neither a parameter"),  # type: ignore[arg-type]
+    (lambda: Concurrency(1, scope="a/b"), "no '/'"),
+])
+def test_bad_limits_are_refused_when_declared(make: Callable[[], Any], problem: str) -> None:
+    """A limit below 1, a window that is not finite and positive, a bad key or scope: refused."""
+    with pytest.raises(ConfigurationError, match=problem):
+        make()
+
+
+@pytest.mark.parametrize("key, problem", [
+    (lambda tenant: 1 / 0, "raised ZeroDivisionError"),
+    (lambda tenant: 42, "not a string"),
+    (lambda tenant: "x" * 300, "longer than"),
+    (lambda tenant: "a\ud800", "lone surrogate"),
+    ("tenant", "must be a string or an integer"),
+])
+def test_a_key_that_cannot_be_computed_fails_the_run_before_its_body(
+        make_app: Callable[..., Celery], key: Any, problem: str) -> None:
+    """A key function that raises or returns a non-string fails the run; no body ran."""
+    app = make_app()
+    calls: list[int] = []
+
+    @app.task(base=DurableTask, duraflow_limits=[Concurrency(1, key=key)])
+    def work(tenant: Any) -> None:
+        calls.append(1)
+
+    result = work.apply(args=([1.5] if key == "tenant" else ["t"]))
+    assert isinstance(result.result, FlowKeyError)
+    assert problem in str(result.result) and result.id in str(result.result)
+    run = get_run(result.id, app=app)
+    assert run is not None and run.status == "failed" and "FlowKeyError" in str(run.error)
+    assert calls == []
+
+
+def test_a_rate_limit_is_never_exceeded_in_any_window(make_app: Callable[..., Celery]) -> None:
+    """RateLimit(3, per=1 s) across 3 worker threads: no 1 s window holds 4 body starts."""
+    app = _worker_app(make_app)
+    ledger = Ledger()
+
+    @app.task(base=DurableTask, duraflow_limits=[RateLimit(3, per=1.0, scope="api")])
+    def call(n: int) -> int:
+        with step("call"):
+            ledger.run("api", str(n), 0.0)
+        return n
+
+    with run_worker(app, pool="threads", concurrency=3):
+        results = [call.delay(n) for n in range(10)]
+        assert sorted(r.get(timeout=RESULT_TIMEOUT) for r in results) == list(range(10))
+    starts = sorted(start for _, _, start in ledger.starts)
+    assert len(starts) == 10
+    for i, start in enumerate(starts):
+        assert sum(1 for other in starts[i:] if other < start + 1.0) <= 3, starts
+    # Ten calls at three a second need at least three whole windows.
+    assert starts[-1] - starts[0] >= 3.0
+    for result in results:
+        run = get_run(result.id, app=app)
+        assert run is not None and run.retries == 0
+
+
+def test_dedupe_under_concurrent_sends_gives_one_run(make_app: Callable[..., Celery]) -> None:
+    """20 threads sending one dedupe key at once get one task id, and the body runs once."""
+    app = _worker_app(make_app)
+    calls: list[str] = []
+
+    @app.task(base=DurableTask, duraflow_dedupe=Dedupe(key="order", window=60))
+    def charge(order: str) -> str:
+        with step("charge"):
+            calls.append(order)
+        return order
+
+    ids: list[str] = []
+    barrier = threading.Barrier(20)
+
+    def send() -> None:
+        barrier.wait()
+        ids.append(charge.delay(order="o-1").id)
+
+    threads = [threading.Thread(target=send) for _ in range(20)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(ids) == 20 and len(set(ids)) == 1
+    with run_worker(app):
+        assert charge.AsyncResult(ids[0]).get(timeout=RESULT_TIMEOUT) == "o-1"
+        # Another key is another run.
+        assert charge.delay(order="o-2").get(timeout=RESULT_TIMEOUT) == "o-2"
+    assert sorted(calls) == ["o-1", "o-2"]
+    store = store_for(config_for_app(app))
+    with store.reading("test") as conn:
+        runs = store.tables.runs
+        assert len(list(conn.execute(select(runs.c.task_id)))) == 2
+
+
+def test_a_deduped_send_whose_message_is_lost_is_sent_by_the_sweep(
+        make_app: Callable[..., Celery]) -> None:
+    """The dedupe key's run is recorded before its message: the sweep sends it if lost."""
+    app = _worker_app(make_app, duraflow_lease_seconds=1.0)
+    calls: list[str] = []
+
+    @app.task(base=DurableTask, duraflow_dedupe=Dedupe(key="order", window=60))
+    def charge(order: str) -> str:
+        with step("charge"):
+            calls.append(order)
+        return order
+
+    task_id = str(uuid.uuid4())
+    store = store_for(config_for_app(app))
+    # The sender died between claiming the key and publishing: only the claim is there.
+    from celery_duraflow._serialization import encode_arguments, get_serializer
+    blob, fingerprint = encode_arguments((), {"order": "o-9"}, get_serializer("json"),
+                                         task_id=task_id, task_name=charge.name,
+                                         serializer_name="json")
+    assert store.claim_dedupe(scope=charge.name, key="o-9", task_id=task_id, window=60,
+                              run={"task_name": charge.name, "args": blob,
+                                   "args_fingerprint": fingerprint, "exchange": None,
+                                   "routing_key": None}) == task_id
+    assert charge.delay(order="o-9").id == task_id  # a later send finds the same run
+    time.sleep(1.1)
+    with run_worker(app):
+        assert task_id in recover(app)
+        assert charge.AsyncResult(task_id).get(timeout=RESULT_TIMEOUT) == "o-9"
+    assert calls == ["o-9"]
