@@ -51,6 +51,7 @@ from ._send import eta_limit, recorded_headers, send_run
 from ._serialization import encode_arguments, get_serializer
 from ._store import Store, store_for
 from .errors import ConfigurationError, FlowKeyError, LeaseLost, StoreUnavailable
+from .signals import limit_waited, slot_taken
 
 logger = logging.getLogger("celery_duraflow.flow")
 
@@ -310,7 +311,14 @@ def enter(ctx: RunContext, task: Any, args: tuple[Any, ...], kwargs: dict[str, A
             logger.info("task %s waits for %s key %r: %d of %d taken, place %d in the queue",
                         ctx.task_id, _label(limit, task), key, answer.live, limit.limit,
                         answer.position)
+            if limit_waited.receivers:
+                limit_waited.send(sender=task, task_id=ctx.task_id, kind="slot", scope=scope,
+                                  key=key, position=answer.position, limit=limit.limit,
+                                  wake_at=None)
             raise Suspended(ctx.task_id, slot_label(scope, key), WAITING, None)
+        if slot_taken.receivers:
+            slot_taken.send(sender=task, task_id=ctx.task_id, scope=scope, key=key,
+                            waited=answer.waited)
     for limit, scope, key in keyed:
         if not isinstance(limit, RateLimit):
             continue
@@ -338,6 +346,9 @@ def _wait_for_rate(ctx: RunContext, task: Any, limit: RateLimit, scope: str, key
                         task_id=ctx.task_id)
     logger.info("task %s is over %s key %r; it waits until %s", ctx.task_id,
                 _label(limit, task), key, free_at.isoformat())
+    if limit_waited.receivers:
+        limit_waited.send(sender=task, task_id=ctx.task_id, kind="rate", scope=scope, key=key,
+                          position=0, limit=limit.limit, wake_at=free_at)
     raise Suspended(ctx.task_id, label, WAITING, countdown)
 
 

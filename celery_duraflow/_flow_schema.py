@@ -47,6 +47,8 @@ def flow_tables(prefix: str, metadata: MetaData) -> tuple[Table, Table, Table, T
         Column("owner", String(200), nullable=True),
         Column("granted_at", DateTime(timezone=True), nullable=False),
         Column("expires_at", DateTime(timezone=True), nullable=True),
+        # For a slot handed to a queued run: when that run was queued.
+        Column("queued_at", DateTime(timezone=True), nullable=True),
         PrimaryKeyConstraint("scope", "key", "slot", name=f"{prefix}flow_slots_key"),
     )
     Index(f"{prefix}flow_slots_task", slots.c.task_id)

@@ -30,6 +30,10 @@ from sqlalchemy.engine import Connection
 from ._db import Database
 from ._records import FINISHED, RUNNING, WAITING, RunRecord, as_utc, utc_now
 
+#: How much longer than its window a rate row waits before it is used again, in seconds.
+#: A use is stamped when the store grants it; the body starts a few milliseconds later,
+#: after a delay that varies. The margin keeps the window true for the bodies' starts too.
+RATE_MARGIN = 0.05
 SLOT_WAIT: Literal["slot"] = "slot"
 RATE_WAIT: Literal["rate"] = "rate"
 
@@ -54,11 +58,18 @@ class SlotAnswer:
     position: int
     live: int
     woken: list[RunRecord]
+    #: For a slot taken after queueing: how long the run waited for it, in seconds.
+    waited: float = 0.0
 
 
 @dataclass(frozen=True)
-class QueuedRun:
-    """A run in a key's queue, for the operator's views."""
+class QueuePlace:
+    """Where a run waiting for a concurrency slot stands: for ``show``, the web view, the
+    admin and :func:`~celery_duraflow.get_run`.
+
+    ``position`` 1 is next; ``holding`` is how many slots of the key are held
+    now, ``limit`` the limit the run queued under.
+    """
 
     scope: str
     key: str
@@ -108,7 +119,8 @@ class FlowStatements(Database):
     def _slot_rows(self, conn: Connection, scope: str, key: str) -> list[Any]:
         slots, runs = self.tables.flow_slots, self.tables.runs
         stmt = (select(slots.c.slot, slots.c.task_id, slots.c.owner, slots.c.expires_at,
-                       runs.c.status, runs.c.lease_owner, runs.c.lease_expires_at)
+                       slots.c.queued_at, runs.c.status, runs.c.lease_owner,
+                       runs.c.lease_expires_at)
                 .select_from(slots.outerjoin(runs, runs.c.task_id == slots.c.task_id))
                 .where(slots.c.scope == scope, slots.c.key == key))
         return list(conn.execute(stmt))
@@ -170,7 +182,8 @@ class FlowStatements(Database):
             number = _free_number(used)
             conn.execute(insert(slots).values(
                 scope=scope, key=key, slot=number, task_id=entry.task_id, owner=None,
-                granted_at=now, expires_at=now + timedelta(seconds=2 * grace)))
+                granted_at=now, expires_at=now + timedelta(seconds=2 * grace),
+                queued_at=entry.queued_at))
             used.add(number)
             live += 1
             woken.append(RunRecord.from_row(row))
@@ -214,7 +227,9 @@ class FlowStatements(Database):
                         owner=owner, granted_at=now, expires_at=None))
                 conn.execute(delete(waits).where(waits.c.scope == scope, waits.c.key == key,
                                                  waits.c.task_id == task_id))
-                return SlotAnswer("granted", 0, live + 1, woken)
+                queued_at = as_utc(mine[0].queued_at) if mine else None
+                waited = (now - queued_at).total_seconds() if queued_at is not None else 0.0
+                return SlotAnswer("granted", 0, live + 1, woken, max(0.0, waited))
             queued = next((e for e in queue if e.task_id == task_id), None)
             if queued is None:
                 conn.execute(insert(waits).values(scope=scope, key=key, task_id=task_id,
@@ -287,10 +302,10 @@ class FlowStatements(Database):
                 woken += self._settle(conn, scope, key, utc_now(), grace)[2]
         return woken
 
-    def queued(self, task_id: str) -> list[QueuedRun]:
+    def queued(self, task_id: str) -> list[QueuePlace]:
         """Where run ``task_id`` stands in the queues it is in (for ``show`` and the views)."""
         waits = self.tables.flow_waits
-        answer: list[QueuedRun] = []
+        answer: list[QueuePlace] = []
         with self._read("reading the run's place in its queues", task_id) as conn:
             entries = list(conn.execute(select(waits).where(waits.c.task_id == task_id)))
             now = utc_now()
@@ -299,7 +314,7 @@ class FlowStatements(Database):
                 order = [row.task_id for row in queue]
                 holding = sum(1 for row in self._slot_rows(conn, entry.scope, entry.key)
                               if _live(row, now))
-                answer.append(QueuedRun(
+                answer.append(QueuePlace(
                     scope=entry.scope, key=entry.key, task_id=task_id,
                     position=order.index(task_id) + 1 if task_id in order else 0,
                     limit=entry.limit, holding=holding,
@@ -313,9 +328,10 @@ class FlowStatements(Database):
         """Use one of ``limit`` calls per ``per`` seconds of ``scope``/``key``.
 
         None when one was used; otherwise the moment the next one frees (the
-        oldest use plus ``per``). Each of the key's ``limit`` rows is used at
-        most once per ``per`` seconds of the store's clock, so no window of
-        that length ever holds more than ``limit`` uses, across every host.
+        oldest use plus ``per`` and :data:`RATE_MARGIN`). Each of the key's
+        ``limit`` rows is used at most once per ``per`` seconds of the store's
+        clock, so no window of that length ever holds more than ``limit`` uses,
+        across every host.
         """
         rates = self.tables.flow_rates
         with self.transaction("using a rate limit", task_id) as conn:
@@ -330,7 +346,7 @@ class FlowStatements(Database):
                                                   task_id=task_id))
                 return None
             oldest = min(rows, key=lambda row: as_utc(row.used_at) or now)
-            free_at = (as_utc(oldest.used_at) or now) + timedelta(seconds=per)
+            free_at = (as_utc(oldest.used_at) or now) + timedelta(seconds=per + RATE_MARGIN)
             if free_at > now:
                 return free_at
             conn.execute(update(rates).where(rates.c.scope == scope, rates.c.key == key,

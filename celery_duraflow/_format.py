@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any, Protocol
 from uuid import UUID
 
+from ._flow_store import QueuePlace
 from ._store import FINISHED, SLEEPING, WAITING
 
 #: How both surfaces write a moment (always UTC).
@@ -58,10 +60,23 @@ def waits_for(kind: str | None, waiting_for: str | None, wake_at: datetime | Non
     """
     if kind is None:
         return ""
+    if kind == "slot":
+        return f"a concurrency slot of {waiting_for!r}"
+    if kind == "rate":
+        what = f"the rate limit of {waiting_for!r}"
+        return f"{what} until {when(wake_at)} UTC" if wake_at is not None else what
     what = f"{kind} {waiting_for!r}" if kind in ("sleep", "signal") else f"{kind} {waiting_for}"
     if wake_at is not None:
         return f"{what} until {when(wake_at)} UTC"
     return f"{what} (no timeout)" if say_no_timeout and kind != "sleep" else what
+
+
+def queue_note(places: Sequence[QueuePlace]) -> str:
+    """Where a run waiting for concurrency slots stands: ``place 3 in the queue of
+    'charge/acme', 2 of 2 slots taken``; ``""`` when it is in no queue."""
+    return "; ".join(
+        f"place {place.position} in the queue of {place.scope + '/' + place.key!r}, "
+        f"{place.holding} of {place.limit} slots taken" for place in places)
 
 
 def unwinding_note(run: ShownRun) -> str:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from ._config import Config, app_and_config
+from ._flow_store import QueuePlace
 from ._serialization import decode
 from ._store import STEP_COMPLETED, STEP_WAITING, RunRecord, StepRecord, store_for
 
@@ -67,6 +68,9 @@ class RunView:
     #: Set when the task was replaced (Task.replace): the task id under which its first
     #: durable replacement's run is recorded (``<task id>~r<nesting>``).
     replaced_by: str | None = None
+    #: While waiting for a concurrency slot (``wait_kind`` "slot"): its place in the
+    #: queue of each key it is queued for.
+    queue: tuple[QueuePlace, ...] = ()
 
     def step(self, key: str) -> StepView:
         """The step stored under ``key``; ``KeyError`` if there is none."""
@@ -127,4 +131,12 @@ def get_run(task_id: str, *, app: Any = None) -> RunView | None:
     run = store.get_run(task_id)
     if run is None:
         return None
-    return _run_view(run, list(store.load_steps(task_id).values()), config)
+    view = _run_view(run, list(store.load_steps(task_id).values()), config)
+    return with_queue(view, store)
+
+
+def with_queue(view: RunView, store: Any) -> RunView:
+    """``view`` with its place in the queues of its concurrency limits, if it waits in any."""
+    if view.wait_kind != "slot":
+        return view
+    return replace(view, queue=tuple(store.queued(view.task_id)))

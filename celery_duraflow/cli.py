@@ -30,6 +30,7 @@ from ._format import (
     clip,
     json_default,
     json_text,
+    queue_note,
     run_note,
     span,
     step_duration,
@@ -459,6 +460,8 @@ def _show_header(run: RunView, cut: bool) -> list[tuple[str, str]]:
     lines = [("task id", run.task_id), ("task", run.task_name), ("status", status),
              ("attempts", attempts), ("created", when(run.created_at)),
              ("updated", when(run.updated_at)), ("finished", when(run.finished_at))]
+    if run.queue:
+        lines.append(("queue", queue_note(run.queue)))
     if run.lease_owner:
         lines.append(("lease", f"{run.lease_owner} until {when(run.lease_expires_at)}"))
     if run.status == "succeeded":

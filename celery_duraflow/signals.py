@@ -25,10 +25,12 @@ __all__ = [
     "attempt_finished",
     "attempt_started",
     "compensation_ran",
+    "limit_waited",
     "run_finished",
     "run_recovered",
     "run_unwound",
     "signal_delivered",
+    "slot_taken",
     "step_failed",
     "step_replayed",
     "step_started",
@@ -95,3 +97,14 @@ run_recovered = Signal(name="duraflow_run_recovered",
 #: the StoreUnavailable); it comes back later, or fails when ``giving_up`` is True.
 store_unavailable = Signal(name="duraflow_store_unavailable",
                            providing_args={"task_id", "exception", "giving_up"})
+#: A run is over one of its task's limits and waits, holding no worker: ``kind`` is
+#: "slot" (a Concurrency limit; ``position`` is its place in the key's queue) or "rate"
+#: (a RateLimit; ``wake_at`` is when the window frees), ``scope`` and ``key`` the
+#: limit's, ``limit`` its number.
+limit_waited = Signal(name="duraflow_limit_waited",
+                      providing_args={"task_id", "kind", "scope", "key", "position", "limit",
+                                      "wake_at"})
+#: An attempt took a concurrency slot of ``scope``/``key`` before its body ran;
+#: ``waited`` is how long the run was queued for it, in seconds (0.0 if it was not).
+slot_taken = Signal(name="duraflow_slot_taken",
+                    providing_args={"task_id", "scope", "key", "waited"})

@@ -343,3 +343,41 @@ def test_a_deduped_send_whose_message_is_lost_is_sent_by_the_sweep(
         assert task_id in recover(app)
         assert charge.AsyncResult(task_id).get(timeout=RESULT_TIMEOUT) == "o-9"
     assert calls == ["o-9"]
+
+
+def test_a_queued_run_shows_what_it_waits_for_on_every_surface(
+        make_app: Callable[..., Celery]) -> None:
+    """get_run, `show` and the web run page say which key a run waits for and its place."""
+    from celery.bin.celery import celery as celery_command
+    from click.testing import CliRunner
+
+    from celery_duraflow._store import Delivery
+    from tests.test_web import logged_in
+
+    app = make_app(task_default_queue=f"flow-{uuid.uuid4().hex[:8]}")
+
+    @app.task(base=DurableTask, duraflow_limits=[Concurrency(1, key="tenant")])
+    def work(tenant: str) -> None:
+        pass
+
+    store = store_for(config_for_app(app))
+    for task_id, owner in (("holder", "w-1"), ("queued", "w-2")):
+        store.begin_attempt(task_id, Delivery(task_name=work.name, owner=owner, first=True))
+    assert store.acquire_slot("holder", "w-1", scope=work.name, key="acme", limit=1,
+                              grace=5.0, sweep_after=None).state == "granted"
+    assert store.acquire_slot("queued", "w-2", scope=work.name, key="acme", limit=1,
+                              grace=5.0, sweep_after=None).state == "waiting"
+    run = get_run("queued", app=app)
+    assert run is not None and run.status == "waiting" and run.wait_kind == "slot"
+    assert [(p.scope, p.key, p.position, p.holding, p.limit) for p in run.queue] == [
+        (work.name, "acme", 1, 1, 1)]
+    note = f"place 1 in the queue of '{work.name}/acme', 1 of 1 slots taken"
+    shown = CliRunner().invoke(celery_command,  # type: ignore[arg-type]
+                               ["-A", app, "duraflow", "show", "queued"],
+                               env={"COLUMNS": "400"})
+    assert shown.exit_code == 0, shown.output
+    assert f"waits for a concurrency slot of '{work.name}/acme'" in shown.stdout
+    assert note in shown.stdout
+    page = logged_in(app).get("/runs/queued")
+    assert page.status_code == 200
+    assert note.replace("'", "&#39;") in page.text or note in page.text

@@ -31,6 +31,7 @@ from opentelemetry.trace import StatusCode
 from sqlalchemy import update
 
 from celery_duraflow import (
+    Concurrency,
     DurableTask,
     StoreUnavailable,
     recover,
@@ -472,6 +473,36 @@ _NOT_INSTALLED = """
             return None
     sys.meta_path.insert(0, NotInstalled())
 """
+
+
+def test_flow_control_metrics_count_waits_and_time_in_the_queue(
+        sqlite_url: str, table_prefix: str, telemetry: Telemetry) -> None:
+    """A run queued for a slot counts a wait; taking the slot records how long it waited."""
+    app = app_factory(sqlite_url, table_prefix)(eager=False, task_default_queue=_queue())
+
+    @app.task(base=DurableTask, name="limited", duraflow_limits=[Concurrency(1, key="k")])
+    def limited(k: str) -> None:
+        pass
+
+    store = store_for(config_for_app(app))
+    store.begin_attempt("holder", Delivery(task_name="limited", owner=ELSEWHERE))
+    assert store.acquire_slot("holder", ELSEWHERE, scope="limited", key="a", limit=1,
+                              grace=5.0, sweep_after=None).state == "granted"
+    limited.apply(args=("a",), task_id="queued")  # no worker: apply runs it here
+    run = store.get_run("queued")
+    assert run is not None and run.status == "waiting" and run.wait_kind == "slot"
+    assert telemetry.counts("duraflow.flow.waits", "duraflow.task_name", "duraflow.wait.kind",
+                            "duraflow.limit.scope") == {("limited", "slot", "limited"): 1}
+    # The holder ends: its slot goes to the queued run, whose next attempt takes it.
+    store.finish_run("holder", ELSEWHERE, "succeeded")
+    assert [r.task_id for r in store.release_slots("holder", grace=5.0)] == ["queued"]
+    time.sleep(0.05)
+    limited.apply(args=("a",), task_id="queued", headers={"duraflow_recorded": True})
+    finished = store.get_run("queued")
+    assert finished is not None and finished.status == "succeeded"
+    [(attributes, histogram)] = telemetry.points("duraflow.flow.slot_wait")
+    assert attributes == {"duraflow.task_name": "limited", "duraflow.limit.scope": "limited"}
+    assert histogram.count == 1 and histogram.sum >= 0.05
 
 
 @pytest.mark.parametrize(("block", "env"), [

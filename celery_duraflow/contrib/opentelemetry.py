@@ -48,10 +48,12 @@ from ..signals import (
     attempt_finished,
     attempt_started,
     compensation_ran,
+    limit_waited,
     run_finished,
     run_recovered,
     run_unwound,
     signal_delivered,
+    slot_taken,
     step_failed,
     step_replayed,
     step_started,
@@ -84,6 +86,8 @@ SIGNAL_NAME = "duraflow.signal.name"
 SIGNAL_STORED = "duraflow.signal.stored"
 REASON = "duraflow.reason"
 GIVING_UP = "duraflow.giving_up"
+LIMIT_SCOPE = "duraflow.limit.scope"
+LIMIT_KEY = "duraflow.limit.key"
 ERROR_TYPE = "error.type"
 
 # Histogram buckets for step durations, in seconds (OpenTelemetry's advice for durations).
@@ -142,6 +146,15 @@ class _Instruments:
             "duraflow.sweep.recoveries", unit="{run}",
             description="Runs the recovery sweep sent again, by task and the run's status "
                         "(running: a lost attempt; sleeping, waiting: a wait woken)")
+        self.limit_waits: Counter = meter.create_counter(
+            "duraflow.flow.waits", unit="{wait}",
+            description="Runs that waited, holding no worker, because they were over a "
+                        "limit: by task, kind (slot: a Concurrency limit; rate: a "
+                        "RateLimit) and the limit's scope")
+        self.slot_wait: Histogram = meter.create_histogram(
+            "duraflow.flow.slot_wait", unit="s",
+            description="How long runs were queued for the concurrency slot they took, in "
+                        "seconds (0 for a slot taken at once), by task and scope")
         self.store_outages: Counter = meter.create_counter(
             "duraflow.store.outages", unit="{delivery}",
             description="Deliveries that found the store unavailable and came back later "
@@ -400,6 +413,33 @@ def _on_store_unavailable(sender: Any = None, task_id: str = "",
         ERROR_TYPE: type(exception).__qualname__ if exception is not None else ""})
 
 
+def _on_limit_waited(sender: Any = None, task_id: str = "", kind: str = "", scope: str = "",
+                     key: str = "", position: int = 0, limit: int = 0, wake_at: Any = None,
+                     **_: Any) -> None:
+    instruments = _instruments
+    if instruments is None:
+        return
+    instruments.limit_waits.add(1, {TASK_NAME: _task_name(sender), WAIT_KIND: kind,
+                                    LIMIT_SCOPE: scope})
+    attributes: dict[str, AttributeValue] = {TASK_ID: task_id, WAIT_KIND: kind,
+                                             LIMIT_SCOPE: scope, LIMIT_KEY: key,
+                                             "duraflow.limit": limit}
+    if kind == "slot":
+        attributes["duraflow.limit.position"] = position
+    if wake_at is not None:
+        attributes[WAKE_AT] = wake_at.isoformat()
+    _event("duraflow.limit.wait", attributes)
+
+
+def _on_slot_taken(sender: Any = None, task_id: str = "", scope: str = "", key: str = "",
+                   waited: float = 0.0, **_: Any) -> None:
+    instruments = _instruments
+    if instruments is None:
+        return
+    instruments.slot_wait.record(float(waited), {TASK_NAME: _task_name(sender),
+                                                 LIMIT_SCOPE: scope})
+
+
 _RECEIVERS = (
     (attempt_started, _on_attempt_started),
     (attempt_finished, _on_attempt_finished),
@@ -415,6 +455,8 @@ _RECEIVERS = (
     (compensation_ran, _on_compensation_ran),
     (run_recovered, _on_run_recovered),
     (store_unavailable, _on_store_unavailable),
+    (limit_waited, _on_limit_waited),
+    (slot_taken, _on_slot_taken),
 )
 
 

@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .._format import clip, run_note, span, unwinding_note, waits_for, when
+from .._format import clip, queue_note, run_note, span, unwinding_note, waits_for, when
 from .._operations import cancel, retry_run
 from .._serialization import visible
 from .._store import (
@@ -108,6 +108,7 @@ class _Handlers:
                                trim_blocks=True, lstrip_blocks=True, finalize=_visible)
         # The display helpers the CLI uses too (celery_duraflow._format).
         self.env.globals.update(when=when, span=span, waits_for=waits_for, run_note=run_note,
+                                queue_note=queue_note,
                                 unwinding_note=unwinding_note, statuses=RUN_STATUSES,
                                 retryable=RETRYABLE)
         self.css = (resources.files("celery_duraflow.web") / "static" / "duraflow.css"

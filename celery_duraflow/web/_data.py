@@ -25,7 +25,7 @@ from .._store import (
     Store,
     store_for,
 )
-from .._view import RunView, StepView, _run_view
+from .._view import RunView, StepView, _run_view, with_queue
 from ..errors import ConfigurationError
 
 #: Runs per page, unless the address asks for another number (at most MAX_PAGE_SIZE).
@@ -229,7 +229,7 @@ def load_run_page(celery_app: Any, task_id: str) -> RunPage | None:
     stored_steps = list(store.load_steps(task_id).values())
     problem = None
     try:
-        view = _run_view(record, stored_steps, config)
+        view = with_queue(_run_view(record, stored_steps, config), store)
     except ConfigurationError as exc:
         # A value its (accepted) serializer cannot read: show the rest, each value
         # decoded on its own, and say which.

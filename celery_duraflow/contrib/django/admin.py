@@ -44,10 +44,19 @@ from django.utils.safestring import SafeString
 
 from ..._compensation import COMPENSATION_PREFIX
 from ..._config import app_and_config
-from ..._format import clip, json_text, run_note, span, step_duration, waits_for
+from ..._format import (
+    clip,
+    json_text,
+    queue_note,
+    run_note,
+    span,
+    step_duration,
+    waits_for,
+)
 from ..._operations import cancel, retry_run
 from ..._records import FINISHED, STEP_RUNNING, STEP_WAITING, SUCCEEDED, WAITING
 from ..._serialization import Unreadable, decode
+from ..._store import store_for
 from ..._waits import send_signal
 from ...errors import DuraflowError
 from . import conf
@@ -381,6 +390,8 @@ class RunAdmin(admin.ModelAdmin):
             "steps": rows,
             "wait_steps": [row for row in rows if row["status"] == STEP_WAITING],
             "waits_for": waits_for(run.wait_kind, run.waiting_for, run.wake_at),
+            "queue": (queue_note(_queue_places(run.task_id))
+                      if run.status == WAITING and run.wait_kind == "slot" else ""),
             "signals": [{
                 "name": sig.name,
                 "sent_at": shown_time(sig.sent_at),
@@ -426,6 +437,12 @@ def _pre(text: str) -> SafeString:
     """Text (JSON, already printable) in a ``<pre>``, escaped, its line breaks kept."""
     return format_html('<pre class="duraflow-json" style="margin: 0; white-space: pre-wrap;">'
                        "{}</pre>", text)
+
+
+def _queue_places(task_id: str) -> Any:
+    """Where a run waiting for a concurrency slot stands, read by the library's store."""
+    _app, config = app_and_config(celery_app())
+    return store_for(config).queued(task_id)
 
 
 def _shown(data: str, stored_with: str | None, *, task_id: str, step_key: str | None = None,
