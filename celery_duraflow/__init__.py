@@ -10,6 +10,7 @@
 """
 
 from ._flow import Concurrency, Dedupe, RateLimit
+from ._flow_store import QueuePlace
 from ._history import export_history
 from ._operations import cancel, retry_run
 from ._patched import patched
@@ -68,6 +69,7 @@ __all__ = [
     "LeaseLost",
     "NonDeterministicReplay",
     "NotInDurableTask",
+    "QueuePlace",
     "RateLimit",
     "ReplayResult",
     "RunArgumentsMismatch",

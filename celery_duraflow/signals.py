@@ -97,8 +97,8 @@ run_recovered = Signal(name="duraflow_run_recovered",
 #: the StoreUnavailable); it comes back later, or fails when ``giving_up`` is True.
 store_unavailable = Signal(name="duraflow_store_unavailable",
                            providing_args={"task_id", "exception", "giving_up"})
-#: A run is over one of its task's limits and waits, holding no worker: ``kind`` is
-#: "slot" (a Concurrency limit; ``position`` is its place in the key's queue) or "rate"
+#: A run is over one of its task's limits and waits without holding a worker. ``kind``
+#: is "slot" (a Concurrency limit; ``position`` is its place in the key's queue) or "rate"
 #: (a RateLimit; ``wake_at`` is when the window frees), ``scope`` and ``key`` the
 #: limit's, ``limit`` its number.
 limit_waited = Signal(name="duraflow_limit_waited",

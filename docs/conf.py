@@ -61,6 +61,8 @@ nitpick_ignore_regex = [
 nitpick_ignore = [
     ("py:class", "celery_duraflow._records.RunRecord"),  # what retry_run() returns
     ("py:class", "celery_duraflow._history.History"),  # a loaded history file
+    # RunView.queue's items, documented as celery_duraflow.QueuePlace
+    ("py:class", "celery_duraflow._flow_store.QueuePlace"),
 ]
 
 
