@@ -9,7 +9,7 @@
         ...
 """
 
-from ._flow import Concurrency, Dedupe, RateLimit
+from ._flow import Concurrency, Debounce, Dedupe, RateLimit
 from ._flow_store import QueuePlace
 from ._history import export_history
 from ._operations import cancel, retry_run
@@ -59,6 +59,7 @@ __all__ = [
     "ChildTimeout",
     "Concurrency",
     "ConfigurationError",
+    "Debounce",
     "Dedupe",
     "DurableTask",
     "DuraflowError",

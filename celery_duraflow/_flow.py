@@ -38,15 +38,16 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from celery import shared_task
 from celery.utils import uuid
 
 from . import _clock
 from ._config import config_for_app
 from ._context import RunContext, Suspended
 from ._flow_schema import FLOW_KEY_LENGTH, SCOPE_LENGTH
-from ._flow_store import RATE_WAIT, slot_label
+from ._flow_store import DEBOUNCE_WAIT, RATE_WAIT, slot_label
 from ._limits import shown
-from ._records import WAITING
+from ._records import SLEEPING, WAITING
 from ._send import eta_limit, recorded_headers, send_run
 from ._serialization import encode_arguments, get_serializer
 from ._store import Store, store_for
@@ -152,12 +153,61 @@ class Dedupe:
         return _check_seconds(self.window, "Dedupe", "window")
 
 
+@dataclass(frozen=True)
+class Debounce:
+    """Sends of one key close together make one run.
+
+    ``mode="trailing"`` (the default): the run starts ``delay`` seconds after the
+    last send of the burst (no later than ``max_delay`` after its first), with
+    the last send's arguments. ``mode="leading"``: the first send runs at once;
+    sends within ``delay`` of the one before join it.
+    """
+
+    key: KeySpec
+    delay: float | timedelta
+    max_delay: float | timedelta | None = None
+    mode: str = "trailing"
+    scope: str | None = None
+
+    def __post_init__(self) -> None:
+        what = f"Debounce(key={self.key!r})"
+        if self.key is None:
+            raise ConfigurationError(f"{what}: a debounce needs a key.")
+        _check_key_spec(self.key, what)
+        delay = _check_seconds(self.delay, what, "delay")
+        if self.max_delay is not None and _check_seconds(self.max_delay, what,
+                                                         "max_delay") < delay:
+            raise ConfigurationError(f"{what}: max_delay={self.max_delay!r} is shorter than "
+                                     f"delay={self.delay!r}.")
+        if self.mode not in ("trailing", "leading"):
+            raise ConfigurationError(f"{what}: mode={self.mode!r} must be 'trailing' or "
+                                     "'leading'.")
+        _check_scope(self.scope, what)
+
+    @property
+    def seconds(self) -> float:
+        return _check_seconds(self.delay, "Debounce", "delay")
+
+    @property
+    def max_seconds(self) -> float | None:
+        return (None if self.max_delay is None
+                else _check_seconds(self.max_delay, "Debounce", "max_delay"))
+
+
 Limit = Concurrency | RateLimit
 
 
-def check_declaration(name: str, run: Any, limits: object, dedupe: object) -> None:
+def check_declaration(name: str, run: Any, limits: object, dedupe: object,
+                      debounce: object = None) -> None:
     """Refuse, when the task is defined, flow control that could not be applied."""
     what = f"task {name}"
+    if debounce is not None and not isinstance(debounce, Debounce):
+        raise ConfigurationError(
+            f"{what}: duraflow_debounce={shown(debounce)} must be a Debounce or None.")
+    if debounce is not None and dedupe is not None:
+        raise ConfigurationError(
+            f"{what}: duraflow_dedupe and duraflow_debounce both decide what a send does; "
+            "keep one (a leading Debounce is a Dedupe whose window each send extends).")
     if not isinstance(limits, list | tuple):
         raise ConfigurationError(
             f"{what}: duraflow_limits={shown(limits)} must be a list of Concurrency and "
@@ -179,7 +229,8 @@ def check_declaration(name: str, run: Any, limits: object, dedupe: object) -> No
         raise ConfigurationError(
             f"{what}: duraflow_dedupe={shown(dedupe)} must be a Dedupe or None.")
     for spec in [*(limit.key for limit in limits),
-                 *([dedupe.key] if isinstance(dedupe, Dedupe) else [])]:
+                 *([dedupe.key] if isinstance(dedupe, Dedupe) else []),
+                 *([debounce.key] if isinstance(debounce, Debounce) else [])]:
         if isinstance(spec, str) and callable(run):
             _check_parameter(what, run, spec)
 
@@ -265,7 +316,7 @@ def key_of(spec: KeySpec, task: Any, args: Sequence[Any], kwargs: dict[str, Any]
     return value
 
 
-def _scope(limit: Limit | Dedupe, task: Any) -> str:
+def _scope(limit: Limit | Dedupe | Debounce, task: Any) -> str:
     return limit.scope or str(task.name)[:SCOPE_LENGTH]
 
 
@@ -411,3 +462,77 @@ def dedupe_send(task: Any, args: Any, kwargs: Any, task_id: str | None,
         return task.AsyncResult(owner)
     options["headers"] = recorded_headers(options.get("headers"))
     return send(args, kwargs, task_id=task_id, **options)
+
+
+def debounce_send(task: Any, args: Any, kwargs: Any, task_id: str | None,
+                  options: dict[str, Any], send: Callable[..., Any]) -> Any:
+    """``apply_async`` of a task with ``duraflow_debounce``: one run per burst of sends."""
+    debounce: Debounce = task.duraflow_debounce
+    args = tuple(args or ())
+    kwargs = dict(kwargs or {})
+    scope = _scope(debounce, task)
+    key = key_of(debounce.key, task, args, kwargs, task_id=task_id,
+                 what=f"Debounce of scope {scope!r}")
+    app = task._get_app()
+    config = config_for_app(app)
+    serializer = get_serializer(config.serializer)
+    task_id = task_id or uuid()
+    blob, fingerprint = encode_arguments(args, kwargs, serializer, task_id=task_id,
+                                         task_name=task.name,
+                                         serializer_name=config.serializer)
+    queue = options.get("queue")
+    routing_key = options.get("routing_key") or (queue if isinstance(queue, str) else None)
+    exchange = options.get("exchange")
+    trailing = debounce.mode == "trailing"
+    owner, fire_at = store_for(config).debounce(
+        scope=scope, key=key, task_id=task_id, delay=debounce.seconds,
+        max_delay=debounce.max_seconds, trailing=trailing,
+        run={"task_name": task.name, "args": blob, "args_fingerprint": fingerprint,
+             "exchange": exchange if isinstance(exchange, str) else None,
+             "routing_key": routing_key if isinstance(routing_key, str) else None})
+    if not trailing:
+        if owner != task_id:
+            return task.AsyncResult(owner)
+        options["headers"] = recorded_headers(options.get("headers"))
+        return send(args, kwargs, task_id=task_id, **options)
+    if owner == task_id and fire_at is not None and not app.conf.task_always_eager:
+        _send_fire(app, owner, fire_at)
+    return task.AsyncResult(owner)
+
+
+def _send_fire(app: Any, task_id: str, fire_at: Any) -> None:
+    """Have a worker send the burst's run at ``fire_at``; the sweep does if this is lost."""
+    remaining = max(0.0, (fire_at - _clock.now()).total_seconds())
+    if remaining >= eta_limit(app.tasks.get(FIRE_TASK_NAME)):
+        return  # too long for a broker countdown: the sweep sends it
+    try:
+        app.send_task(FIRE_TASK_NAME, args=(task_id,), countdown=remaining)
+    except Exception:
+        logger.warning("could not send the fire message of debounced run %s; the sweep will "
+                       "send it", task_id, exc_info=True)
+
+
+FIRE_TASK_NAME = "celery_duraflow.fire_debounce"
+
+
+@shared_task(name=FIRE_TASK_NAME, bind=True, ignore_result=True)  # type: ignore[untyped-decorator]
+def fire_debounce(self: Any, task_id: str) -> bool:
+    """Send the debounced run ``task_id`` once its burst is over; True if this sent it.
+
+    A send that came meanwhile moved the burst's end: the message is sent again for
+    the new end. The run carries the last send's arguments, as the store recorded.
+    """
+    config = config_for_app(self.app)
+    store = store_for(config)
+    run = store.get_run(task_id)
+    if run is None or run.status != SLEEPING or run.wait_kind != DEBOUNCE_WAIT \
+            or run.lease_expires_at is None:
+        return False
+    if run.lease_expires_at > _clock.now():
+        _send_fire(self.app, task_id, run.lease_expires_at)
+        return False
+    if not store.mark_recovering(run, grace=config.lease_seconds):
+        return False
+    send_run(self.app, run)
+    logger.info("debounced run %s (%s) sent", task_id, run.task_name)
+    return True

@@ -28,7 +28,7 @@ from sqlalchemy import delete, insert, select, text, update
 from sqlalchemy.engine import Connection
 
 from ._db import Database
-from ._records import FINISHED, RUNNING, WAITING, RunRecord, as_utc, utc_now
+from ._records import FINISHED, RUNNING, SLEEPING, WAITING, RunRecord, as_utc, utc_now
 
 #: How much longer than its window a rate row waits before it is used again, in seconds.
 #: A use is stamped when the store grants it; the body starts a few milliseconds later,
@@ -36,6 +36,7 @@ from ._records import FINISHED, RUNNING, WAITING, RunRecord, as_utc, utc_now
 RATE_MARGIN = 0.05
 SLOT_WAIT: Literal["slot"] = "slot"
 RATE_WAIT: Literal["rate"] = "rate"
+DEBOUNCE_WAIT: Literal["debounce"] = "debounce"
 
 
 def slot_label(scope: str, key: str) -> str:
@@ -385,6 +386,69 @@ class FlowStatements(Database):
                     lease_expires_at=now + timedelta(seconds=self.config.lease_seconds),
                     **run))
             return task_id
+
+    def debounce(self, *, scope: str, key: str, task_id: str, delay: float,
+                 max_delay: float | None, trailing: bool,
+                 run: dict[str, Any]) -> tuple[str, datetime | None]:
+        """Claim or join the burst of sends of ``scope``/``key``; (its task id, fire time).
+
+        Trailing: a burst's run is recorded sleeping until ``delay`` after its last
+        send (no later than ``max_delay`` after its first), with the last send's
+        arguments; each send moves it on, until the sweep (or the fire message)
+        has sent it. Leading: the first send of a burst is sent at once (the fire
+        time is None) and later ones within ``delay`` of the last join it.
+        A send that finds its burst already fired starts the next one.
+        """
+        dedupe, runs = self.tables.flow_dedupe, self.tables.runs
+        with self.transaction("debouncing a send", task_id) as conn:
+            self._flow_lock(conn, scope, key)
+            now = utc_now()
+            row = conn.execute(select(dedupe.c.task_id, dedupe.c.created_at,
+                                      dedupe.c.expires_at).where(
+                dedupe.c.scope == scope, dedupe.c.key == key)).first()
+
+            def moment(first: datetime) -> datetime:
+                at = now + timedelta(seconds=delay)
+                if max_delay is not None:
+                    at = min(at, first + timedelta(seconds=max_delay))
+                return at
+
+            if row is not None and (as_utc(row.expires_at) or now) > now:
+                owner, first = str(row.task_id), as_utc(row.created_at) or now
+                fire = moment(first)
+                if not trailing:
+                    conn.execute(update(dedupe).where(dedupe.c.scope == scope,
+                                                      dedupe.c.key == key)
+                                 .values(expires_at=fire))
+                    return owner, None
+                moved = conn.execute(
+                    update(runs).where(runs.c.task_id == owner, runs.c.status == SLEEPING,
+                                       runs.c.wait_kind == DEBOUNCE_WAIT)
+                    .values(args=run["args"], args_fingerprint=run["args_fingerprint"],
+                            wake_at=fire, lease_expires_at=fire, updated_at=now)).rowcount
+                if moved:
+                    conn.execute(update(dedupe).where(dedupe.c.scope == scope,
+                                                      dedupe.c.key == key)
+                                 .values(expires_at=fire))
+                    return owner, fire
+            if row is not None:
+                conn.execute(delete(dedupe).where(dedupe.c.scope == scope,
+                                                  dedupe.c.key == key))
+            fire = moment(now)
+            conn.execute(insert(dedupe).values(scope=scope, key=key, task_id=task_id,
+                                               created_at=now, expires_at=fire))
+            if trailing:
+                conn.execute(insert(runs).values(
+                    task_id=task_id, created_at=now, updated_at=now, status=SLEEPING,
+                    attempts=0, retries=0, recoveries=0, interrupted=False,
+                    wait_kind=DEBOUNCE_WAIT, waiting_for=slot_label(scope, key),
+                    wake_at=fire, lease_expires_at=fire, **run))
+                return task_id, fire
+            conn.execute(insert(runs).values(
+                task_id=task_id, created_at=now, updated_at=now, status=RUNNING,
+                attempts=0, retries=0, recoveries=0, interrupted=False,
+                lease_expires_at=now + timedelta(seconds=self.config.lease_seconds), **run))
+            return task_id, None
 
     def prune_flow(self, before: datetime) -> int:
         """Delete dedupe keys whose window ended before ``before``; how many went."""

@@ -62,8 +62,9 @@ def waits_for(kind: str | None, waiting_for: str | None, wake_at: datetime | Non
         return ""
     if kind == "slot":
         return f"a concurrency slot of {waiting_for!r}"
-    if kind == "rate":
-        what = f"the rate limit of {waiting_for!r}"
+    if kind in ("rate", "debounce"):
+        what = (f"the rate limit of {waiting_for!r}" if kind == "rate"
+                else f"the end of a burst of sends of {waiting_for!r}")
         return f"{what} until {when(wake_at)} UTC" if wake_at is not None else what
     what = f"{kind} {waiting_for!r}" if kind in ("sleep", "signal") else f"{kind} {waiting_for}"
     if wake_at is not None:

@@ -18,7 +18,7 @@ from . import _clock
 RunStatus = Literal["running", "sleeping", "waiting", "succeeded", "failed", "compensated",
                     "cancelled", "ignored", "rejected", "replaced"]
 StepStatus = Literal["running", "completed", "failed", "waiting"]
-WaitKind = Literal["sleep", "signal", "child", "slot", "rate"]
+WaitKind = Literal["sleep", "signal", "child", "slot", "rate", "debounce"]
 BodyExit = Literal["return", "break", "continue", "fatal"]
 
 # Run statuses.

@@ -190,6 +190,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
     duraflow_limits: Sequence[_flow.Limit] = ()
     #: :class:`~celery_duraflow.Dedupe`: one run per key and window, checked when sent.
     duraflow_dedupe: _flow.Dedupe | None = None
+    #: :class:`~celery_duraflow.Debounce`: one run per burst of sends of a key.
+    duraflow_debounce: _flow.Debounce | None = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -207,7 +209,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         elif isinstance(run, types.FunctionType):
             cls.run = prepare(run)
         _flow.check_declaration(str(cls.__dict__.get("name") or cls.__qualname__), cls.run,
-                                cls.duraflow_limits, cls.duraflow_dedupe)
+                                cls.duraflow_limits, cls.duraflow_dedupe,
+                                cls.duraflow_debounce)
         if run is not None:
             # Fingerprint the code now, where the task is defined, rather than in the
             # first attempt of some worker thread (the result is cached per code object).
@@ -244,15 +247,19 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                     producer: Any = None, link: Any = None, link_error: Any = None,
                     shadow: Any = None, **options: Any) -> Any:
         """Celery's ``apply_async``; with ``duraflow_dedupe``, a send whose key was sent
-        within the window sends nothing and returns that run's result handle."""
+        within the window sends nothing and returns that run's result handle; with
+        ``duraflow_debounce``, sends of a key close together make one run."""
         def send(args: Any, kwargs: Any, **more: Any) -> Any:
             return super(DurableTask, self).apply_async(
                 args, kwargs, producer=producer, link=link, link_error=link_error,
                 shadow=shadow, **more)
 
-        if (self.duraflow_dedupe is None or options.get("retries")
-                or is_recorded(options) or OUTAGE_HEADER in (options.get("headers") or {})):
+        if ((self.duraflow_dedupe is None and self.duraflow_debounce is None)
+                or options.get("retries") or is_recorded(options)
+                or OUTAGE_HEADER in (options.get("headers") or {})):
             return send(args, kwargs, task_id=task_id, **options)
+        if self.duraflow_debounce is not None:
+            return _flow.debounce_send(self, args, kwargs, task_id, options, send)
         return _flow.dedupe_send(self, args, kwargs, task_id, options, send)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -22,6 +22,7 @@ from sqlalchemy import select
 from celery_duraflow import (
     Concurrency,
     ConfigurationError,
+    Debounce,
     Dedupe,
     DurableTask,
     FlowKeyError,
@@ -381,3 +382,109 @@ def test_a_queued_run_shows_what_it_waits_for_on_every_surface(
     page = logged_in(app).get("/runs/queued")
     assert page.status_code == 200
     assert note.replace("'", "&#39;") in page.text or note in page.text
+
+
+def test_a_trailing_debounce_runs_once_after_the_burst_with_the_last_arguments(
+        make_app: Callable[..., Celery]) -> None:
+    """Five sends 0.1 s apart with delay 0.5 s: one run, after the last send, with its arguments."""
+    app = _worker_app(make_app)
+    seen: list[tuple[int, float]] = []
+
+    @app.task(base=DurableTask, duraflow_debounce=Debounce(key="doc", delay=0.5))
+    def reindex(doc: str, version: int) -> int:
+        with step("reindex"):
+            seen.append((version, time.time()))
+        return version
+
+    with run_worker(app):
+        ids = []
+        for version in range(5):
+            ids.append(reindex.delay("d-1", version).id)
+            last_send = time.time()
+            time.sleep(0.1)
+        assert len(set(ids)) == 1
+        run = get_run(ids[0], app=app)
+        assert run is not None and run.status == "sleeping" and run.wait_kind == "debounce"
+        assert reindex.AsyncResult(ids[0]).get(timeout=RESULT_TIMEOUT) == 4
+        # The next send after the burst has fired is a new run.
+        later = reindex.delay("d-1", 5)
+        assert later.id != ids[0] and later.get(timeout=RESULT_TIMEOUT) == 5
+    assert [version for version, _ in seen] == [4, 5]
+    assert seen[0][1] >= last_send + 0.5 - 0.05
+
+
+def test_a_trailing_debounce_fires_by_max_delay_under_a_steady_stream(
+        make_app: Callable[..., Celery]) -> None:
+    """Sends every 0.15 s for 2 s never pause 0.5 s, yet max_delay=1 s runs them in bursts."""
+    app = _worker_app(make_app)
+    seen: list[tuple[int, float]] = []
+
+    @app.task(base=DurableTask,
+              duraflow_debounce=Debounce(key="doc", delay=0.5, max_delay=1.0))
+    def reindex(doc: str, version: int) -> int:
+        with step("reindex"):
+            seen.append((version, time.time()))
+        return version
+
+    with run_worker(app):
+        started = time.time()
+        ids = []
+        for version in range(14):
+            ids.append(reindex.delay("d-1", version).id)
+            time.sleep(0.15)
+        for task_id in dict.fromkeys(ids):
+            reindex.AsyncResult(task_id).get(timeout=RESULT_TIMEOUT)
+    assert len(set(ids)) >= 2
+    assert seen[0][1] - started < 1.0 + 0.5  # capped, though the stream never paused
+    assert seen[-1][0] == 13  # the last burst ran with the last send's arguments
+
+
+def test_a_leading_debounce_runs_the_first_send_and_drops_the_rest_of_the_burst(
+        make_app: Callable[..., Celery]) -> None:
+    """mode='leading': the first send runs at once; sends within the delay join it."""
+    app = _worker_app(make_app)
+    seen: list[int] = []
+
+    @app.task(base=DurableTask,
+              duraflow_debounce=Debounce(key="user", delay=0.6, mode="leading"))
+    def notify(user: str, n: int) -> int:
+        with step("notify"):
+            seen.append(n)
+        return n
+
+    with run_worker(app):
+        first = notify.delay("u", 0)
+        assert first.get(timeout=RESULT_TIMEOUT) == 0
+        joined = [notify.delay("u", n).id for n in (1, 2)]
+        assert joined == [first.id, first.id]
+        time.sleep(0.7)
+        assert notify.delay("u", 3).get(timeout=RESULT_TIMEOUT) == 3
+    assert seen == [0, 3]
+
+
+@pytest.mark.parametrize("options, problem", [
+    ({"duraflow_debounce": Debounce(key="doc", delay=1),
+      "duraflow_dedupe": Dedupe(key="doc", window=1)}, "keep one"),
+    ({"duraflow_debounce": "soon"}, "must be a Debounce"),
+])
+def test_conflicting_send_options_are_refused_when_the_task_is_built(
+        make_app: Callable[..., Celery], options: dict[str, Any], problem: str) -> None:
+    """Dedupe with Debounce, or a Debounce that is no Debounce, fails when the task is built."""
+    app = make_app()
+    with pytest.raises(ConfigurationError, match=problem):
+        @app.task(base=DurableTask, **options)
+        def work(doc: str) -> None:
+            pass
+
+        assert work.name
+
+
+@pytest.mark.parametrize("make, problem", [
+    (lambda: Debounce(key="d", delay=2, max_delay=1), "shorter than"),
+    (lambda: Debounce(key="d", delay=1, mode="middle"), "'trailing' or 'leading'"),
+    (lambda: Debounce(key=None, delay=1), "needs a key"),
+])
+def test_bad_debounces_are_refused_when_declared(make: Callable[[], Any], problem: str) -> None:
+    """A max_delay under the delay, an unknown mode or no key: ConfigurationError."""
+    with pytest.raises(ConfigurationError, match=problem):
+        make()
