@@ -657,3 +657,28 @@ def test_retry_of_a_succeeded_run_needs_a_step_as_on_every_surface(app: Celery) 
             sent.content.decode())
         run = wait_for_status(app, done, "succeeded")
     assert [s.key for s in run.steps] == ["quote", "charge"]
+
+
+def test_run_page_of_a_run_queued_for_a_slot_shows_its_place(each_app: Celery) -> None:
+    """A run waiting for a concurrency slot: the admin says which key and its place in line."""
+    from celery_duraflow import Concurrency
+    from celery_duraflow._store import Delivery
+
+    app = each_app
+
+    @app.task(base=DurableTask, name="shop.limited",
+              duraflow_limits=[Concurrency(1, key="tenant")])
+    def limited(tenant: str) -> None:
+        pass
+
+    store = store_for(config_for_app(app))
+    for task_id, owner in (("holder", "w-1"), ("queued", "w-2")):
+        store.begin_attempt(task_id, Delivery(task_name=limited.name, owner=owner, first=True))
+    assert store.acquire_slot("holder", "w-1", scope="shop.limited", key="acme", limit=1,
+                              grace=5.0, sweep_after=None).state == "granted"
+    assert store.acquire_slot("queued", "w-2", scope="shop.limited", key="acme", limit=1,
+                              grace=5.0, sweep_after=None).state == "waiting"
+    html = unescape(client_with("view_run").get(run_url("queued")).content.decode())
+    waits = section(html, "duraflow-waits")
+    assert "Waits for a concurrency slot of 'shop.limited/acme'." in waits
+    assert "place 1 in the queue of 'shop.limited/acme', 1 of 1 slots taken" in waits
