@@ -1,7 +1,8 @@
 """Flow control on a real (in-process) worker: concurrency per key, rate limits, dedupe.
 
-Every test runs on SQLite, on PostgreSQL and through PgBouncer in transaction mode
-(the slot decisions take a transaction-level advisory lock, which a pooler must
+Every test that uses a store runs on SQLite and on PostgreSQL; those about the slot,
+window and dedupe decisions also through PgBouncer in transaction mode (marked
+``pooled``: the decisions take a transaction-level advisory lock, which a pooler must
 keep). A ledger outside the store records when each body ran, so the limits are
 checked on what the bodies did, not on what the store says.
 """
@@ -35,8 +36,6 @@ from celery_duraflow._clock import now as store_now
 from celery_duraflow._config import config_for_app
 from celery_duraflow._store import store_for
 from tests.conftest import run_worker, wait_for_status
-
-pytestmark = pytest.mark.pooled
 
 RESULT_TIMEOUT = 60.0
 
@@ -72,6 +71,7 @@ def _worker_app(make_app: Callable[..., Celery], **conf: Any) -> Celery:
     return make_app(eager=False, **{"duraflow_lease_seconds": 5.0, **conf})
 
 
+@pytest.mark.pooled
 def test_concurrency_limit_per_key_holds_on_a_threaded_worker(
         make_app: Callable[..., Celery]) -> None:
     """With 6 worker threads and Concurrency(2) per tenant, no tenant ever has 3 bodies at once."""
@@ -99,6 +99,7 @@ def test_concurrency_limit_per_key_holds_on_a_threaded_worker(
         assert list(conn.execute(select(store.tables.flow_waits))) == []
 
 
+@pytest.mark.pooled
 def test_runs_over_the_limit_wait_without_a_worker_and_start_in_order(
         make_app: Callable[..., Celery]) -> None:
     """Queued runs are `waiting` on their slot (no worker held) and get it oldest first."""
@@ -200,9 +201,9 @@ def test_a_dead_holders_slot_is_free_once_its_lease_expires(
     ([Concurrency(1, key="nope")], "names no parameter"),
 ])
 def test_a_limit_that_cannot_be_applied_is_refused_when_the_task_is_defined(
-        make_app: Callable[..., Celery], limits: Any, problem: str) -> None:
+        sqlite_app: Celery, limits: Any, problem: str) -> None:
     """duraflow_limits with a wrong type or an unknown parameter fails when the task is built."""
-    app = make_app()
+    app = sqlite_app
     with pytest.raises(ConfigurationError, match=problem):
         @app.task(base=DurableTask, duraflow_limits=limits)
         def work(tenant: str) -> None:
@@ -255,6 +256,7 @@ def test_a_key_that_cannot_be_computed_fails_the_run_before_its_body(
     assert calls == []
 
 
+@pytest.mark.pooled
 def test_a_rate_limit_is_never_exceeded_in_any_window(make_app: Callable[..., Celery]) -> None:
     """RateLimit(3, per=1 s) across 3 worker threads: no 1 s window holds 4 body starts."""
     app = _worker_app(make_app)
@@ -280,6 +282,7 @@ def test_a_rate_limit_is_never_exceeded_in_any_window(make_app: Callable[..., Ce
         assert run is not None and run.retries == 0
 
 
+@pytest.mark.pooled
 def test_dedupe_under_concurrent_sends_gives_one_run(make_app: Callable[..., Celery]) -> None:
     """20 threads sending one dedupe key at once get one task id, and the body runs once."""
     app = _worker_app(make_app)
@@ -384,6 +387,7 @@ def test_a_queued_run_shows_what_it_waits_for_on_every_surface(
     assert note.replace("'", "&#39;") in page.text or note in page.text
 
 
+@pytest.mark.pooled
 def test_a_trailing_debounce_runs_once_after_the_burst_with_the_last_arguments(
         make_app: Callable[..., Celery]) -> None:
     """Five sends 0.1 s apart with delay 0.5 s: one run, after the last send, with its arguments."""
@@ -468,9 +472,9 @@ def test_a_leading_debounce_runs_the_first_send_and_drops_the_rest_of_the_burst(
     ({"duraflow_debounce": "soon"}, "must be a Debounce"),
 ])
 def test_conflicting_send_options_are_refused_when_the_task_is_built(
-        make_app: Callable[..., Celery], options: dict[str, Any], problem: str) -> None:
+        sqlite_app: Celery, options: dict[str, Any], problem: str) -> None:
     """Dedupe with Debounce, or a Debounce that is no Debounce, fails when the task is built."""
-    app = make_app()
+    app = sqlite_app
     with pytest.raises(ConfigurationError, match=problem):
         @app.task(base=DurableTask, **options)
         def work(doc: str) -> None:
