@@ -366,6 +366,10 @@ def enter(ctx: RunContext, task: Any, args: tuple[Any, ...], kwargs: dict[str, A
                 limit_waited.send(sender=task, task_id=ctx.task_id, kind="slot", scope=scope,
                                   key=key, position=answer.position, limit=limit.limit,
                                   wake_at=None)
+            # A holder that let go while this run queued may not have seen it queued:
+            # look once more, now that the run waits (it may be handed the slot itself).
+            send_woken(task.app, store.settle_key(scope, key, grace=config.lease_seconds,
+                                                  task_id=ctx.task_id))
             raise Suspended(ctx.task_id, slot_label(scope, key), WAITING, None)
         if slot_taken.receivers:
             slot_taken.send(sender=task, task_id=ctx.task_id, scope=scope, key=key,
@@ -408,10 +412,10 @@ def holds_slots(task: Any) -> bool:
                for limit in getattr(task, "duraflow_limits", ()) or ())
 
 
-def leave(task: Any, store: Store, run_key: str, grace: float) -> None:
+def leave(task: Any, store: Store, run_key: str, owner: str, grace: float) -> None:
     """After an attempt of a task with concurrency limits: hand on what it held."""
     try:
-        woken = store.release_slots(run_key, grace=grace)
+        woken = store.release_slots(run_key, owner, grace=grace)
     except StoreUnavailable:
         logger.warning("task %s: could not free its concurrency slots; they are free once "
                        "its lease ends, and the sweep hands them on", run_key, exc_info=True)

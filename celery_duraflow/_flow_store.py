@@ -24,7 +24,21 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from sqlalchemy import delete, insert, select, text, update
+from sqlalchemy import (
+    and_,
+    delete,
+    exists,
+    func,
+    insert,
+    literal,
+    null,
+    or_,
+    select,
+    text,
+    union_all,
+    update,
+)
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
 from ._db import Database
@@ -157,6 +171,7 @@ class FlowStatements(Database):
         label = slot_label(scope, key)
         woken: list[RunRecord] = []
         left: list[Any] = []
+        blocked = False
         for entry in self._queue(conn, scope, key):
             if entry.status is None or entry.status in FINISHED:
                 conn.execute(delete(waits).where(waits.c.scope == scope, waits.c.key == key,
@@ -164,8 +179,14 @@ class FlowStatements(Database):
                 continue
             ready = (entry.status == WAITING and entry.wait_kind == SLOT_WAIT
                      and entry.waiting_for == label and entry.task_id != keep)
-            if left or not ready or live >= entry.limit:
-                # Strictly in order: nobody is served past the head of the queue.
+            if not ready:
+                # On its way (sent again, being compensated): it asks again when it
+                # arrives, and does not hold up the runs behind it.
+                left.append(entry)
+                continue
+            if blocked or live >= entry.limit:
+                # Strictly in order: no waiting run is served past the head of the queue.
+                blocked = True
                 left.append(entry)
                 continue
             row = conn.execute(
@@ -201,11 +222,58 @@ class FlowStatements(Database):
         the same transaction, so a slot freed at that moment is handed to it,
         not lost.
         """
+        if self.dialect == "postgresql":
+            taken = self._acquire_fast(task_id, owner, scope=scope, key=key, limit=limit)
+            if taken is not None:
+                return taken
         try:
             return self._acquire_slot(task_id, owner, scope=scope, key=key, limit=limit,
                                       grace=grace, sweep_after=sweep_after)
         except _LeaseGone as gone:
             return SlotAnswer("lost", gone.position, 0, [])
+
+    def _acquire_fast(self, task_id: str, owner: str, *, scope: str, key: str,
+                      limit: int) -> SlotAnswer | None:
+        """One statement for the usual case, on PostgreSQL: take over the slot handed to
+        this run, or take a slot number that no row holds while nobody waits for the key.
+
+        It never touches another run's row, so it needs no lock: two attempts that
+        pick the same free number meet on the primary key, and the one that loses
+        takes the locked path. None means the locked path must decide (no number
+        free, rows to clear, or runs waiting).
+        """
+        slots, waits = self.tables.flow_slots, self.tables.flow_waits
+        now = utc_now()
+        adopt = (update(slots)
+                 .where(slots.c.scope == scope, slots.c.key == key,
+                        slots.c.task_id == task_id)
+                 .values(owner=owner, expires_at=None)
+                 .returning(slots.c.slot, slots.c.queued_at)
+                 .cte("adopt"))
+        number = func.generate_series(0, limit - 1).table_valued("n").render_derived()
+        taken_number = (select(slots.c.slot).where(slots.c.scope == scope, slots.c.key == key,
+                                                   slots.c.slot == number.c.n))
+        candidate = (
+            select(literal(scope), literal(key), number.c.n, literal(task_id), literal(owner),
+                   literal(now), null())
+            .where(~exists(select(adopt.c.slot)), ~exists(taken_number),
+                   ~exists().where(waits.c.scope == scope, waits.c.key == key))
+            .order_by(number.c.n).limit(1))
+        inserted = (postgresql.insert(slots)
+                    .from_select(["scope", "key", "slot", "task_id", "owner", "granted_at",
+                                  "queued_at"], candidate)
+                    .on_conflict_do_nothing()
+                    .returning(slots.c.slot, slots.c.queued_at)
+                    .cte("inserted"))
+        stmt = union_all(select(adopt.c.slot, adopt.c.queued_at),
+                         select(inserted.c.slot, inserted.c.queued_at))
+        with self._write("taking a concurrency slot", task_id) as conn:
+            row = conn.execute(stmt).first()
+        if row is None:
+            return None
+        queued_at = as_utc(row.queued_at)
+        waited = (now - queued_at).total_seconds() if queued_at is not None else 0.0
+        return SlotAnswer("granted", 0, 0, [], max(0.0, waited))
 
     def _acquire_slot(self, task_id: str, owner: str, *, scope: str, key: str, limit: int,
                       grace: float, sweep_after: float | None) -> SlotAnswer:
@@ -215,7 +283,8 @@ class FlowStatements(Database):
             now = utc_now()
             used, queue, woken = self._settle(conn, scope, key, now, grace, keep=task_id)
             mine = [row for row in self._slot_rows(conn, scope, key) if row.task_id == task_id]
-            ahead = [entry for entry in queue if entry.task_id != task_id]
+            ahead = [entry for entry in queue if entry.task_id != task_id
+                     and entry.status == WAITING]
             live = len(used) - len(mine)
             if mine or (not ahead and live < limit):
                 if mine:
@@ -251,39 +320,38 @@ class FlowStatements(Database):
                 raise _LeaseGone(position)  # rolls the queue entry back
             return SlotAnswer("waiting", position, live, woken)
 
-    def release_slots(self, task_id: str, *, grace: float) -> list[RunRecord]:
-        """Free what an attempt of ``task_id`` that just ended holds; hand it on.
+    def release_slots(self, task_id: str, owner: str, *, grace: float) -> list[RunRecord]:
+        """Free the slots the attempt ``owner`` of ``task_id`` took; hand them on.
 
-        Its slot rows go (they stopped being live when its lease ended); its
-        queue entries go too, except the one it is suspended on. Returns the
-        runs woken with the freed slots, for the caller to send.
+        Its rows are deleted in one statement (they stopped holding anything when
+        its lease ended); only a key that has runs queued for it is then settled,
+        under its lock, and the runs handed a slot are returned for the caller to
+        send. A run that queues in between either saw the slot free or is seen here
+        (it looks again itself once suspended: :meth:`recheck_queue`).
         """
         slots, waits = self.tables.flow_slots, self.tables.flow_waits
-        with self._read("reading the run's concurrency slots", task_id) as conn:
+        with self._write("freeing the run's concurrency slots", task_id) as conn:
             keys = {(row.scope, row.key) for row in conn.execute(
-                select(slots.c.scope, slots.c.key).where(slots.c.task_id == task_id))}
-            keys |= {(row.scope, row.key) for row in conn.execute(
-                select(waits.c.scope, waits.c.key).where(waits.c.task_id == task_id))}
+                delete(slots).where(slots.c.task_id == task_id, slots.c.owner == owner)
+                .returning(slots.c.scope, slots.c.key))}
+        if not keys:
+            return []
+        with self._read("looking for runs queued for the freed slots", task_id) as conn:
+            queued = {(row.scope, row.key) for row in conn.execute(
+                select(waits.c.scope, waits.c.key).distinct().where(
+                    or_(*(and_(waits.c.scope == scope, waits.c.key == key)
+                          for scope, key in keys))))}
         woken: list[RunRecord] = []
-        for scope, key in sorted(keys):
-            with self.transaction("freeing a concurrency slot", task_id) as conn:
-                self._flow_lock(conn, scope, key)
-                run = conn.execute(select(self.tables.runs.c.status,
-                                          self.tables.runs.c.wait_kind,
-                                          self.tables.runs.c.waiting_for)
-                                   .where(self.tables.runs.c.task_id == task_id)).first()
-                waiting_here = (run is not None and run.status == WAITING
-                                and run.wait_kind == SLOT_WAIT
-                                and run.waiting_for == slot_label(scope, key))
-                conn.execute(delete(slots).where(slots.c.scope == scope, slots.c.key == key,
-                                                 slots.c.task_id == task_id,
-                                                 slots.c.owner.is_not(None)))
-                if not waiting_here:
-                    conn.execute(delete(waits).where(
-                        waits.c.scope == scope, waits.c.key == key,
-                        waits.c.task_id == task_id))
-                woken += self._settle(conn, scope, key, utc_now(), grace)[2]
+        for scope, key in sorted(queued):
+            woken += self.settle_key(scope, key, grace=grace, task_id=task_id)
         return woken
+
+    def settle_key(self, scope: str, key: str, *, grace: float,
+                   task_id: str | None = None) -> list[RunRecord]:
+        """Hand the free slots of one key to the runs queued for it (under its lock)."""
+        with self.transaction("handing on concurrency slots", task_id) as conn:
+            self._flow_lock(conn, scope, key)
+            return self._settle(conn, scope, key, utc_now(), grace)[2]
 
     def settle_queues(self, *, grace: float, limit: int) -> list[RunRecord]:
         """For the sweep: hand the slots that died with their holders to the queues.
@@ -298,9 +366,7 @@ class FlowStatements(Database):
                 .order_by(waits.c.scope, waits.c.key).limit(limit))]
         woken: list[RunRecord] = []
         for scope, key in keys:
-            with self.transaction("handing on concurrency slots") as conn:
-                self._flow_lock(conn, scope, key)
-                woken += self._settle(conn, scope, key, utc_now(), grace)[2]
+            woken += self.settle_key(scope, key, grace=grace)
         return woken
 
     def queued(self, task_id: str) -> list[QueuePlace]:

@@ -317,7 +317,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             finally:
                 keeper().release(store, run_key, owner)
                 if _flow.holds_slots(self):
-                    _flow.leave(self, store, run_key, config.lease_seconds)
+                    _flow.leave(self, store, run_key, owner, config.lease_seconds)
                 if attempt_finished.receivers:
                     attempt_finished.send(sender=self, task_id=run_key, attempt=run.attempts,
                                           exception=ended)

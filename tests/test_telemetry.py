@@ -495,7 +495,7 @@ def test_flow_control_metrics_count_waits_and_time_in_the_queue(
                             "duraflow.limit.scope") == {("limited", "slot", "limited"): 1}
     # The holder ends: its slot goes to the queued run, whose next attempt takes it.
     store.finish_run("holder", ELSEWHERE, "succeeded")
-    assert [r.task_id for r in store.release_slots("holder", grace=5.0)] == ["queued"]
+    assert [r.task_id for r in store.release_slots("holder", ELSEWHERE, grace=5.0)] == ["queued"]
     time.sleep(0.05)
     limited.apply(args=("a",), task_id="queued", headers={"duraflow_recorded": True})
     finished = store.get_run("queued")
