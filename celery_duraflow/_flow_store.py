@@ -184,7 +184,12 @@ class FlowStatements(Database):
                 # arrives, and does not hold up the runs behind it.
                 left.append(entry)
                 continue
-            if blocked or live >= entry.limit:
+            number = None if blocked or live >= entry.limit else self._insert_slot(
+                conn, scope, key, used, entry.limit,
+                task_id=entry.task_id, owner=None, granted_at=now,
+                expires_at=now + timedelta(seconds=2 * grace), queued_at=entry.queued_at)
+            live = max(live, len(used))
+            if number is None:
                 # Strictly in order: no waiting run is served past the head of the queue.
                 blocked = True
                 left.append(entry)
@@ -200,16 +205,35 @@ class FlowStatements(Database):
             conn.execute(delete(waits).where(waits.c.scope == scope, waits.c.key == key,
                                              waits.c.task_id == entry.task_id))
             if row is None:
+                conn.execute(delete(slots).where(slots.c.scope == scope, slots.c.key == key,
+                                                 slots.c.slot == number))
+                used.discard(number)
+                live = len(used)
                 continue
-            number = _free_number(used)
-            conn.execute(insert(slots).values(
-                scope=scope, key=key, slot=number, task_id=entry.task_id, owner=None,
-                granted_at=now, expires_at=now + timedelta(seconds=2 * grace),
-                queued_at=entry.queued_at))
-            used.add(number)
-            live += 1
             woken.append(RunRecord.from_row(row))
         return used, left, woken
+
+    def _insert_slot(self, conn: Connection, scope: str, key: str, used: set[int], limit: int,
+                     **values: Any) -> int | None:
+        """Insert a slot row under a free number below ``limit``; the number, or None if
+        every number below ``limit`` is in use. ``used`` is updated with what is found
+        taken: an attempt on the lock-free path (:meth:`_acquire_fast`) may take a
+        number at any moment, so a number that conflicts is counted as held, not retried.
+        """
+        slots = self.tables.flow_slots
+        while True:
+            number = _free_number(used)
+            if number >= limit:
+                return None
+            got = conn.execute(
+                self._insert(slots)
+                .values(scope=scope, key=key, slot=number, **values)
+                .on_conflict_do_nothing(index_elements=[slots.c.scope, slots.c.key,
+                                                        slots.c.slot])
+                .returning(slots.c.slot)).first()
+            used.add(number)
+            if got is not None:
+                return number
 
     def acquire_slot(self, task_id: str, owner: str, *, scope: str, key: str, limit: int,
                      grace: float, sweep_after: float | None) -> SlotAnswer:
@@ -286,15 +310,17 @@ class FlowStatements(Database):
             ahead = [entry for entry in queue if entry.task_id != task_id
                      and entry.status == WAITING]
             live = len(used) - len(mine)
-            if mine or (not ahead and live < limit):
-                if mine:
-                    conn.execute(update(slots).where(
-                        slots.c.scope == scope, slots.c.key == key,
-                        slots.c.task_id == task_id).values(owner=owner, expires_at=None))
-                else:
-                    conn.execute(insert(slots).values(
-                        scope=scope, key=key, slot=_free_number(used), task_id=task_id,
-                        owner=owner, granted_at=now, expires_at=None))
+            taken = bool(mine)
+            if mine:
+                conn.execute(update(slots).where(
+                    slots.c.scope == scope, slots.c.key == key,
+                    slots.c.task_id == task_id).values(owner=owner, expires_at=None))
+            elif not ahead and live < limit:
+                taken = self._insert_slot(conn, scope, key, used, limit, task_id=task_id,
+                                          owner=owner, granted_at=now,
+                                          expires_at=None) is not None
+                live = len(used) - 1 if taken else len(used)
+            if taken:
                 conn.execute(delete(waits).where(waits.c.scope == scope, waits.c.key == key,
                                                  waits.c.task_id == task_id))
                 queued_at = as_utc(mine[0].queued_at) if mine else None

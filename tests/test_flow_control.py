@@ -492,3 +492,57 @@ def test_bad_debounces_are_refused_when_declared(make: Callable[[], Any], proble
     """A max_delay under the delay, an unknown mode or no key: ConfigurationError."""
     with pytest.raises(ConfigurationError, match=problem):
         make()
+
+
+@pytest.mark.pooled
+def test_attempts_racing_for_one_keys_slots_never_exceed_the_limit(
+        make_app: Callable[..., Celery]) -> None:
+    """8 threads taking and freeing one key's 2 slots for 2 s: never 3 holders, no error."""
+    from celery_duraflow._store import Delivery
+
+    app = make_app()
+    store = store_for(config_for_app(app))
+    lock = threading.Lock()
+    holding: set[str] = set()
+    most = [0]
+    taken = [0]
+    errors: list[BaseException] = []
+    deadline = time.monotonic() + 2.0
+
+    def attempts(n: int) -> None:
+        try:
+            while time.monotonic() < deadline:
+                task_id, owner = f"race-{n}-{uuid.uuid4().hex[:6]}", f"owner-{n}"
+                store.begin_attempt(task_id, Delivery(task_name="race", owner=owner,
+                                                      first=True))
+                answer = store.acquire_slot(task_id, owner, scope="race", key="hot", limit=2,
+                                            grace=5.0, sweep_after=None)
+                tries = 0
+                while answer.state == "waiting" and time.monotonic() < deadline + 5:
+                    # Delivered again (as when woken, or sent again by the sweep).
+                    time.sleep(0.002)
+                    tries += 1
+                    owner = f"owner-{n}-{tries}"
+                    store.begin_attempt(task_id, Delivery(task_name="race", owner=owner))
+                    answer = store.acquire_slot(task_id, owner, scope="race", key="hot",
+                                                limit=2, grace=5.0, sweep_after=None)
+                if answer.state == "granted":
+                    with lock:
+                        holding.add(task_id)
+                        most[0] = max(most[0], len(holding))
+                        taken[0] += 1
+                    time.sleep(0.002)
+                    with lock:
+                        holding.discard(task_id)
+                store.finish_run(task_id, owner, "succeeded")
+                store.release_slots(task_id, owner, grace=5.0)
+        except BaseException as error:  # reported below, with the thread's failure
+            errors.append(error)
+
+    threads = [threading.Thread(target=attempts, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert most[0] <= 2 and taken[0] > 10
