@@ -18,6 +18,7 @@ only wakes the next run in the queue sooner.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,23 +26,18 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from sqlalchemy import (
-    and_,
+    DateTime,
+    Integer,
+    bindparam,
     delete,
-    exists,
-    func,
     insert,
-    literal,
-    null,
-    or_,
     select,
     text,
-    union_all,
     update,
 )
-from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Connection
 
-from ._db import Database
+from ._db import Database, Prepared
 from ._records import FINISHED, RUNNING, SLEEPING, WAITING, RunRecord, as_utc, utc_now
 
 #: How much longer than its window a rate row waits before it is used again, in seconds.
@@ -256,6 +252,54 @@ class FlowStatements(Database):
         except _LeaseGone as gone:
             return SlotAnswer("lost", gone.position, 0, [])
 
+    @functools.cached_property
+    def _flow_statements(self) -> dict[str, Prepared]:
+        """The two statements of the usual case on PostgreSQL, prepared once per store:
+        each runs on the attempt's held connection as one round trip, without
+        SQLAlchemy's execution layers (see :meth:`Database.write_prepared`)."""
+        slots, waits = self.tables.flow_slots, self.tables.flow_waits
+        quote = self.engine.dialect.identifier_preparer.quote
+        slots_name, waits_name = quote(slots.name), quote(waits.name)
+        acquire = text(f"""
+            WITH adopt AS (
+                UPDATE {slots_name} SET owner = :owner, expires_at = NULL
+                WHERE scope = :scope AND key = :key AND task_id = :task_id
+                RETURNING slot, queued_at),
+            inserted AS (
+                INSERT INTO {slots_name}
+                    (scope, key, slot, task_id, owner, granted_at, queued_at)
+                SELECT :scope, :key, n, :task_id, :owner, :now, NULL
+                FROM generate_series(0, :top) AS n
+                WHERE NOT EXISTS (SELECT 1 FROM adopt)
+                  AND NOT EXISTS (SELECT 1 FROM {slots_name} s
+                                  WHERE s.scope = :scope AND s.key = :key AND s.slot = n)
+                  AND NOT EXISTS (SELECT 1 FROM {waits_name} w
+                                  WHERE w.scope = :scope AND w.key = :key)
+                ORDER BY n LIMIT 1
+                ON CONFLICT DO NOTHING
+                RETURNING slot, queued_at)
+            SELECT slot, queued_at FROM adopt
+            UNION ALL SELECT slot, queued_at FROM inserted
+        """).bindparams(bindparam("scope", type_=slots.c.scope.type),
+                        bindparam("key", type_=slots.c.key.type),
+                        bindparam("task_id", type_=slots.c.task_id.type),
+                        bindparam("owner", type_=slots.c.owner.type),
+                        bindparam("now", type_=DateTime(timezone=True)),
+                        bindparam("top", type_=Integer()))
+        # The rows go, and the keys that have runs queued come back, in one statement. A
+        # run that queues at this moment is not seen (the statement's snapshot is older),
+        # but it saw the slot taken and looks again itself once it waits (flow.enter).
+        release = text(f"""
+            WITH freed AS (
+                DELETE FROM {slots_name} WHERE task_id = :task_id AND owner = :owner
+                RETURNING scope, key)
+            SELECT DISTINCT f.scope, f.key FROM freed f
+            WHERE EXISTS (SELECT 1 FROM {waits_name} w
+                          WHERE w.scope = f.scope AND w.key = f.key)
+        """).bindparams(bindparam("task_id", type_=slots.c.task_id.type),
+                        bindparam("owner", type_=slots.c.owner.type))
+        return {"acquire": self.prepare(acquire), "release": self.prepare(release)}
+
     def _acquire_fast(self, task_id: str, owner: str, *, scope: str, key: str,
                       limit: int) -> SlotAnswer | None:
         """One statement for the usual case, on PostgreSQL: take over the slot handed to
@@ -266,36 +310,15 @@ class FlowStatements(Database):
         takes the locked path. None means the locked path must decide (no number
         free, rows to clear, or runs waiting).
         """
-        slots, waits = self.tables.flow_slots, self.tables.flow_waits
         now = utc_now()
-        adopt = (update(slots)
-                 .where(slots.c.scope == scope, slots.c.key == key,
-                        slots.c.task_id == task_id)
-                 .values(owner=owner, expires_at=None)
-                 .returning(slots.c.slot, slots.c.queued_at)
-                 .cte("adopt"))
-        number = func.generate_series(0, limit - 1).table_valued("n").render_derived()
-        taken_number = (select(slots.c.slot).where(slots.c.scope == scope, slots.c.key == key,
-                                                   slots.c.slot == number.c.n))
-        candidate = (
-            select(literal(scope), literal(key), number.c.n, literal(task_id), literal(owner),
-                   literal(now), null())
-            .where(~exists(select(adopt.c.slot)), ~exists(taken_number),
-                   ~exists().where(waits.c.scope == scope, waits.c.key == key))
-            .order_by(number.c.n).limit(1))
-        inserted = (postgresql.insert(slots)
-                    .from_select(["scope", "key", "slot", "task_id", "owner", "granted_at",
-                                  "queued_at"], candidate)
-                    .on_conflict_do_nothing()
-                    .returning(slots.c.slot, slots.c.queued_at)
-                    .cte("inserted"))
-        stmt = union_all(select(adopt.c.slot, adopt.c.queued_at),
-                         select(inserted.c.slot, inserted.c.queued_at))
-        with self._write("taking a concurrency slot", task_id) as conn:
-            row = conn.execute(stmt).first()
-        if row is None:
+        rows = self.write_prepared(
+            self._flow_statements["acquire"],
+            {"scope": scope, "key": key, "task_id": task_id, "owner": owner, "now": now,
+             "top": limit - 1},
+            "taking a concurrency slot", task_id).rows
+        if not rows:
             return None
-        queued_at = as_utc(row.queued_at)
+        queued_at = as_utc(rows[0][1])
         waited = (now - queued_at).total_seconds() if queued_at is not None else 0.0
         return SlotAnswer("granted", 0, 0, [], max(0.0, waited))
 
@@ -353,24 +376,29 @@ class FlowStatements(Database):
         its lease ended); only a key that has runs queued for it is then settled,
         under its lock, and the runs handed a slot are returned for the caller to
         send. A run that queues in between either saw the slot free or is seen here
-        (it looks again itself once suspended: :meth:`recheck_queue`).
+        (it looks again itself once suspended, in :func:`._flow.enter`).
         """
+        if self.dialect == "postgresql":
+            queued = {(row[0], row[1]) for row in self.write_prepared(
+                self._flow_statements["release"], {"task_id": task_id, "owner": owner},
+                "freeing the run's concurrency slots", task_id).rows}
+        else:
+            queued = self._release_locally(task_id, owner)
+        woken: list[RunRecord] = []
+        for scope, key in sorted(queued):
+            woken += self.settle_key(scope, key, grace=grace, task_id=task_id)
+        return woken
+
+    def _release_locally(self, task_id: str, owner: str) -> set[tuple[str, str]]:
+        """SQLite: delete the attempt's slot rows; the keys that have runs queued."""
         slots, waits = self.tables.flow_slots, self.tables.flow_waits
         with self._write("freeing the run's concurrency slots", task_id) as conn:
             keys = {(row.scope, row.key) for row in conn.execute(
                 delete(slots).where(slots.c.task_id == task_id, slots.c.owner == owner)
                 .returning(slots.c.scope, slots.c.key))}
-        if not keys:
-            return []
-        with self._read("looking for runs queued for the freed slots", task_id) as conn:
-            queued = {(row.scope, row.key) for row in conn.execute(
-                select(waits.c.scope, waits.c.key).distinct().where(
-                    or_(*(and_(waits.c.scope == scope, waits.c.key == key)
-                          for scope, key in keys))))}
-        woken: list[RunRecord] = []
-        for scope, key in sorted(queued):
-            woken += self.settle_key(scope, key, grace=grace, task_id=task_id)
-        return woken
+            return {(scope, key) for scope, key in keys if conn.execute(
+                select(waits.c.scope).where(waits.c.scope == scope, waits.c.key == key)
+                .limit(1)).first() is not None}
 
     def settle_key(self, scope: str, key: str, *, grace: float,
                    task_id: str | None = None) -> list[RunRecord]:
