@@ -15,7 +15,10 @@ Tasks:
 * ``bench.handwritten_steps(n)``: a plain Celery task that records the same run by hand
   (:class:`benchmarks.workload.HandWritten`), with one psycopg connection per process;
 * ``bench.rss()``: the resident set size of the process that runs tasks, after a
-  garbage collection.
+  garbage collection;
+* ``bench.flow_free``, ``bench.flow_keyed``, ``bench.flow_wide`` ``(tenant, steps,
+  sleep_ms)``: :func:`benchmarks.flow.flow_work` as a ``DurableTask`` with no limit and
+  with the Concurrency limits of :data:`benchmarks.flow.TASK_LIMITS`.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from celery import Celery
 
 from celery_duraflow import DurableTask
 
-from . import workload
+from . import flow, workload
 from .common import (
     DURABLE_TASK_NAME,
     HANDWRITTEN_TASK_NAME,
@@ -66,6 +69,8 @@ app.conf.update(
 
 durable_steps = app.task(base=DurableTask, name=DURABLE_TASK_NAME)(workload.durable_steps)
 plain_steps = app.task(name=PLAIN_TASK_NAME)(workload.plain_steps)
+flow_tasks = {name: app.task(base=DurableTask, name=name, duraflow_limits=limits)(flow.flow_work)
+              for name, limits in flow.TASK_LIMITS.items()}
 
 # This process's connection for the hand-written runs (a pool process opens its own).
 _hand: dict[int, workload.HandWritten] = {}

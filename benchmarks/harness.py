@@ -42,6 +42,14 @@ Benchmarks (``--only`` takes a comma-separated list of these names):
     The same N-step task with OpenTelemetry off, on without an SDK and on with the SDK
     (in-memory exporter), fresh and replayed, the modes taking turns in the same rounds;
     per step and as ratios to off (:mod:`benchmarks.telemetry`).
+``flow``
+    Durable tasks of a few trivial steps (and of the same steps, one sleeping 10 ms)
+    through Redis and through RabbitMQ to a ``celery worker`` (prefork, 4 processes): no
+    limit, ``Concurrency(2, key=...)`` over 64 keys and ``Concurrency(8)`` on one key
+    (neither binds), and a limit that binds (one key, limit 2), taking turns; throughput
+    and the ratios to no limit. In this process: what the limit adds to an attempt in
+    time, statements, round trips and transactions, and each Store call's share
+    (:mod:`benchmarks.flow`).
 
 ``--profile`` adds the per-attempt profile of :func:`benchmarks.profile.attempt_profile`
 (Celery's apply, each Store call, the rest of the library).
@@ -111,7 +119,7 @@ from .common import (
 from .workload import HandWritten
 
 BENCHMARKS = ("fresh", "replay", "sqlite", "wal", "dbos", "e2e", "memory", "atomic",
-              "telemetry", "scale")
+              "telemetry", "scale", "flow")
 # The floor INSERT is timed in bursts of this many back to back (its best case).
 FLOOR_BURST = 20
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -164,6 +172,14 @@ class Sizes:
     telemetry_rounds: int = 10
     telemetry_runs: int = 50
     telemetry_steps: int = 10
+    # flow: tasks per round of each variant and work, rounds, warm-up tasks of each; in
+    # this process: attempts of each per round, rounds, traced attempts of each
+    flow_tasks: int = 1000
+    flow_rounds: int = 3
+    flow_warmup: int = 50
+    flow_runs: int = 100
+    flow_local_rounds: int = 5
+    flow_traced: int = 30
 
 
 FULL = Sizes(
@@ -191,6 +207,8 @@ QUICK = Sizes(
     profile_runs={0: 5, 10: 3}, profile_traced={0: 3, 10: 2},
     atomic_rounds=1, atomic_runs=2, atomic_steps=3,
     telemetry_rounds=1, telemetry_runs=2, telemetry_steps=3,
+    flow_tasks=12, flow_rounds=1, flow_warmup=4, flow_runs=3, flow_local_rounds=1,
+    flow_traced=2,
 )
 
 
@@ -237,6 +255,10 @@ class Harness:
         "memory": Target("worker RSS growth over 10,000 durable runs", "< 20 MB"),
         "scale": Target("large tables: each operation on 1M runs / on empty tables (worst)",
                         "<= 2x"),
+        "flow_redis": Target("flow: throughput with Concurrency(2, key) not binding / no "
+                             "limit, 3 trivial steps, 4 processes (Redis)", ">= 0.8x"),
+        "flow_rabbitmq": Target("flow: throughput with Concurrency(2, key) not binding / no "
+                                "limit, 3 trivial steps, 4 processes (RabbitMQ)", ">= 0.8x"),
     })
     errors: list[str] = field(default_factory=list)
     _duraflow: DuraflowBench | None = None
@@ -868,14 +890,19 @@ class Harness:
 
     # -- e2e --------------------------------------------------------------------------------
 
-    def bench_e2e(self) -> None:
-        df = self.duraflow  # the schema exists before the workers start
-        HandWritten.create_tables(df.admin, self.prefix)
+    def _brokers(self) -> list[tuple[str, str, str | None]]:
+        """Redis and RabbitMQ: (label, URL, why it cannot be used or None)."""
         brokers: list[tuple[str, str, str | None]] = [("Redis", self.broker_url, None)]
         if self.rabbitmq_url:
             brokers.append(("RabbitMQ", self.rabbitmq_url, _rabbitmq_problem(self.rabbitmq_url)))
         else:
             brokers.append(("RabbitMQ", "", "no RabbitMQ URL given"))
+        return brokers
+
+    def bench_e2e(self) -> None:
+        df = self.duraflow  # the schema exists before the workers start
+        HandWritten.create_tables(df.admin, self.prefix)
+        brokers = self._brokers()
         lines: list[str] = []
         self.results["e2e"] = {}
         failure: Exception | None = None
@@ -1079,11 +1106,11 @@ class Harness:
     def run(self, selected: Sequence[str]) -> int:
         self.section("Machine and versions", [table(["what", "value"], machine_info(self))])
         redis_problem = None
-        if {"e2e", "memory"} & set(selected):
+        if {"e2e", "memory", "flow"} & set(selected):
             redis_problem = _redis_problem(self.broker_url)
         try:
             for name in selected:
-                if name in ("e2e", "memory") and redis_problem:
+                if name in ("e2e", "memory", "flow") and redis_problem:
                     self.section(name, [f"Skipped: {redis_problem}."])
                     for key in self._targets_of(name):
                         self.targets[key].status = "skipped"
@@ -1121,7 +1148,8 @@ class Harness:
     def _targets_of(self, name: str) -> list[str]:
         """The targets a benchmark sets (``fresh`` also measures the empty task)."""
         extra = {"fresh": ["empty", "empty_cpu", "statements"], "replay": ["replay_cpu"],
-                 "sqlite": ["sqlite_tx"], "e2e": ["e2e_redis", "e2e_rabbitmq"]}
+                 "sqlite": ["sqlite_tx"], "e2e": ["e2e_redis", "e2e_rabbitmq"],
+                 "flow": ["flow_redis", "flow_rabbitmq"]}
         return [k for k in [name, *extra.get(name, [])] if k in self.targets]
 
     def bench_atomic(self) -> None:
@@ -1157,6 +1185,70 @@ class Harness:
             target.measured = f"{worst['ratio']:.2f}x"
             target.status = "met" if worst["ratio"] <= LIMIT else "NOT met"
             target.note = f"{worst['operation']}; {data['runs']:,} runs"
+
+    def bench_flow(self) -> None:
+        from . import flow
+
+        s = self.sizes
+        df = self.duraflow  # the schema exists before the workers start
+        lines: list[str] = [
+            f"{s.flow_tasks} tasks per round of each kind, sent to one `celery worker --pool "
+            f"prefork --concurrency {flow.PROCESSES}` per broker, Redis as the result backend "
+            "for both brokers; wall time from the first send to the last result, "
+            f"{s.flow_rounds} rounds, the kinds taking turns (the order rotates each round) "
+            f"after {s.flow_warmup} warm-up tasks of each. The same work, DurableTask runs "
+            "of (tenant, steps, sleep_ms), declared four ways: no limit; "
+            f"Concurrency({flow.LIMIT}, key='tenant') with the runs spread round robin over "
+            f"{flow.KEYS} tenants, and Concurrency({flow.WIDE_LIMIT}) with no key (one key, "
+            f"above the {flow.PROCESSES} processes): neither can bind; and "
+            f"Concurrency({flow.LIMIT}, key='tenant') with every run on one tenant, which "
+            f"binds ({flow.LIMIT} of {flow.PROCESSES} processes; the other runs queue, are "
+            "suspended and sent again when a slot frees). Every result and run row is "
+            "checked; where a limit does not bind no run may queue. Celery defaults "
+            "otherwise (early ack, prefetch 4).",
+            "",
+        ]
+        self.results["flow"] = {}
+        failure: Exception | None = None
+        for label, url, problem in self._brokers():
+            target = self.targets[f"flow_{label.lower()}"]
+            if problem:
+                lines += [f"### {label}", "", f"Skipped: {problem}.", ""]
+                target.status, target.note = "skipped", problem
+                self.results["flow"][label] = {"skipped": problem}
+                continue
+            try:
+                broker_lines, data = flow.through_worker(
+                    label, url, backend_url=self.broker_url, database_url=self.database_url,
+                    prefix=self.prefix, admin=df.admin, tasks=s.flow_tasks,
+                    rounds=s.flow_rounds, warmup=s.flow_warmup)
+            except Exception as exc:
+                traceback.print_exc()
+                failure = failure or exc
+                lines += [f"### {label}", "", f"ERROR: {type(exc).__name__}: {exc}", ""]
+                target.status, target.note = "error", type(exc).__name__
+                self.results["flow"][label] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            lines += broker_lines
+            self.results["flow"][label] = data
+            figures = data["works"][flow.TARGET_WORK]
+            keyed = figures["keyed"]["over_none"]
+            target.measured = f"{keyed:.2f}x"
+            target.status = "met" if keyed >= flow.TARGET else "NOT met"
+            target.note = (f"{figures['keyed']['tasks_per_s']:.0f} vs "
+                           f"{figures['none']['tasks_per_s']:.0f} tasks/s; one key "
+                           f"{figures['one key']['over_none']:.2f}x; 10 ms sleep "
+                           f"{data['works']['sleep']['keyed']['over_none']:.2f}x")
+        local_lines, local = flow.in_process(
+            self.database_url, self.prefix, steps=flow.WORKS[0].steps,
+            rounds=s.flow_local_rounds, runs=s.flow_runs, warmup=s.warmup,
+            traced=s.flow_traced)
+        self.results["flow"]["in_process"] = local
+        lines += ["### What the limit adds to an attempt (PostgreSQL, in this process)", "",
+                  *local_lines]
+        self.section("Flow control", lines)
+        if failure is not None:
+            raise failure
 
     def bench_profile(self) -> None:
         from .profile import attempt_profile

@@ -26,6 +26,8 @@ SECTIONS = (
     "## Atomic steps against plain ones",
     "## OpenTelemetry cost",
     "## Large tables",
+    "## Flow control",
+    "### What the limit adds to an attempt",
     "## Per-attempt profile",
     "## Targets",
 )
@@ -44,6 +46,10 @@ TARGET_TITLES = (
     "e2e throughput durable / hand-written twelve commits (RabbitMQ)",
     "worker RSS growth over 10,000 durable runs",
     "large tables: each operation on 1M runs / on empty tables (worst)",
+    "flow: throughput with Concurrency(2, key) not binding / no limit, 3 trivial steps, "
+    "4 processes (Redis)",
+    "flow: throughput with Concurrency(2, key) not binding / no limit, 3 trivial steps, "
+    "4 processes (RabbitMQ)",
 )
 
 
