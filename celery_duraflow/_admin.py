@@ -436,8 +436,9 @@ def prune(store: Store, *, older_than: timedelta, statuses: Iterable[str] = PRUN
                         .values(pruned_at=now, args=None, args_fingerprint=None,
                                 result=None, serializer=None, error=None,
                                 code_fingerprint=None, exchange=None, routing_key=None,
-                                lease_owner=None, lease_expires_at=None, wait_kind=None,
-                                waiting_for=None, wake_at=None, unwinding=None)).rowcount
+                                priority=None, lease_owner=None, lease_expires_at=None,
+                                wait_kind=None, waiting_for=None, wake_at=None,
+                                unwinding=None)).rowcount
             runs_pruned += batch_runs
             steps_deleted += batch_steps
             if task_ids and progress is not None:

@@ -48,7 +48,7 @@ from ._flow_schema import FLOW_KEY_LENGTH, SCOPE_LENGTH
 from ._flow_store import DEBOUNCE_WAIT, RATE_WAIT, slot_label
 from ._limits import shown
 from ._records import SLEEPING, WAITING
-from ._send import eta_limit, recorded_headers, send_run
+from ._send import eta_limit, recorded_headers, routing_of, send_run
 from ._serialization import encode_arguments, get_serializer
 from ._store import Store, store_for
 from .errors import ConfigurationError, FlowKeyError, LeaseLost, StoreUnavailable
@@ -452,14 +452,10 @@ def dedupe_send(task: Any, args: Any, kwargs: Any, task_id: str | None,
     blob, fingerprint = encode_arguments(args, kwargs, serializer, task_id=task_id,
                                          task_name=task.name,
                                          serializer_name=config.serializer)
-    queue = options.get("queue")
-    routing_key = options.get("routing_key") or (queue if isinstance(queue, str) else None)
-    exchange = options.get("exchange")
     owner = store_for(config).claim_dedupe(
         scope=_scope(dedupe, task), key=key, task_id=task_id, window=dedupe.seconds,
         run={"task_name": task.name, "args": blob, "args_fingerprint": fingerprint,
-             "exchange": exchange if isinstance(exchange, str) else None,
-             "routing_key": routing_key if isinstance(routing_key, str) else None})
+             **routing_of(options)})
     if owner != task_id:
         logger.info("task %s: dedupe key %r was sent as run %s within its window; nothing "
                     "more is sent", task.name, key, owner)
@@ -484,16 +480,12 @@ def debounce_send(task: Any, args: Any, kwargs: Any, task_id: str | None,
     blob, fingerprint = encode_arguments(args, kwargs, serializer, task_id=task_id,
                                          task_name=task.name,
                                          serializer_name=config.serializer)
-    queue = options.get("queue")
-    routing_key = options.get("routing_key") or (queue if isinstance(queue, str) else None)
-    exchange = options.get("exchange")
     trailing = debounce.mode == "trailing"
     owner, fire_at = store_for(config).debounce(
         scope=scope, key=key, task_id=task_id, delay=debounce.seconds,
         max_delay=debounce.max_seconds, trailing=trailing,
         run={"task_name": task.name, "args": blob, "args_fingerprint": fingerprint,
-             "exchange": exchange if isinstance(exchange, str) else None,
-             "routing_key": routing_key if isinstance(routing_key, str) else None})
+             **routing_of(options)})
     if not trailing:
         if owner != task_id:
             return task.AsyncResult(owner)

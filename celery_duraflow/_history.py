@@ -48,7 +48,7 @@ FORMAT = "celery-duraflow/run-history"
 VERSION = 1
 # Run fields a history leaves out: the lease belongs to a live attempt, and routing to
 # the deployment the run came from.
-_RUN_PRIVATE = ("lease_owner", "lease_expires_at", "exchange", "routing_key")
+_RUN_PRIVATE = ("lease_owner", "lease_expires_at", "exchange", "routing_key", "priority")
 
 
 @dataclass(frozen=True)

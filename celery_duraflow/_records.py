@@ -99,6 +99,8 @@ class RunRecord:
     #: Set on the row of a Celery task id that was replaced (Task.replace): the run key
     #: of its first durable replacement, ``<task id>~r<nesting>``.
     replaced_by: str | None = None
+    #: The broker priority of the message that sent the run (None: the queue's default).
+    priority: int | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:
@@ -117,6 +119,7 @@ class Delivery:
     routing_key: str | None = None
     retries: int = 0
     code_fingerprint: str | None = None
+    priority: int | None = None
     #: The message looks like the run's first: no retry, not flagged as redelivered, not
     #: re-sent after an outage, not marked by the library as a run it recorded. The start
     #: then tries a plain insert of the run's row first (one cheap statement), and only

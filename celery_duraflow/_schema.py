@@ -33,6 +33,7 @@ from sqlalchemy import (
     Integer,
     MetaData,
     PrimaryKeyConstraint,
+    SmallInteger,
     String,
     Table,
     Text,
@@ -106,6 +107,7 @@ def build_tables(prefix: str) -> Tables:
         *_v8_run_columns(),
         *_v10_run_columns(),
         *_v11_run_columns(),
+        *_v14_run_columns(),
         postgresql_with={"fillfactor": RUNS_FILLFACTOR},
     )
     steps = _v5_steps(prefix, metadata)
@@ -575,10 +577,18 @@ def _v13_operator_indexes(conn: Connection, tables: Tables) -> None:
         index.create(conn)
 
 
+def _v14_run_columns() -> list[Column[object]]:
+    # The broker priority the run was sent with: a run the library sends again (woken
+    # from a queue, a window or a sleep, recovered by the sweep) keeps it.
+    return [Column("priority", SmallInteger, nullable=True)]
+
+
 def _v14_flow_control(conn: Connection, tables: Tables) -> None:
     prefix = tables.runs.name.removesuffix("runs")
     for table in flow_tables(prefix, MetaData()):
         table.create(conn)
+    for column in _v14_run_columns():
+        _add_column(conn, tables.runs.name, column)
 
 
 # (version, description, apply). Append only.
@@ -598,7 +608,8 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
      _v12_partial_run_indexes),
     (13, "live-run listing indexes by status and by task and status; patch marker index",
      _v13_operator_indexes),
-    (14, "flow control: concurrency slots and their queues, rate windows, dedupe keys",
+    (14, "flow control: concurrency slots and their queues, rate windows, dedupe keys; "
+         "runs keep their priority",
      _v14_flow_control),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -44,13 +44,37 @@ def eta_limit(task: Any) -> float:
     return DEFAULT_BROKER_HOLD_LIMIT / 2
 
 
+#: The priorities a broker takes: RabbitMQ's 0 to 255 (Redis maps them onto its steps).
+MAX_PRIORITY = 255
+
+
+def priority_of(value: Any) -> int | None:
+    """A message priority as the runs table keeps it: an int of 0 to 255, else None (the
+    queue's default; the broker would not take anything else either)."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_PRIORITY:
+        return value
+    return None
+
+
+def routing_of(options: dict[str, Any]) -> dict[str, Any]:
+    """What a run sent with ``apply_async(**options)`` records of its routing: its
+    exchange, routing key (the queue's name where only ``queue=`` is given) and priority."""
+    queue = options.get("queue")
+    routing_key = options.get("routing_key") or (queue if isinstance(queue, str) else None)
+    exchange = options.get("exchange")
+    return {"exchange": exchange if isinstance(exchange, str) else None,
+            "routing_key": routing_key if isinstance(routing_key, str) else None,
+            "priority": priority_of(options.get("priority"))}
+
+
 def _route(run: RunRecord) -> dict[str, Any]:
+    route: dict[str, Any] = {} if run.priority is None else {"priority": run.priority}
     if run.exchange and run.routing_key:
-        return {"exchange": run.exchange, "routing_key": run.routing_key}
-    if run.routing_key:
+        route.update(exchange=run.exchange, routing_key=run.routing_key)
+    elif run.routing_key:
         # The default exchange routes by queue name.
-        return {"queue": run.routing_key}
-    return {}
+        route["queue"] = run.routing_key
+    return route
 
 
 #: A header on every message the library sends for a run whose row it has already written
@@ -93,7 +117,8 @@ def recorded_arguments(run: RunRecord, config: Config) -> tuple[list[Any], dict[
 
 
 def send_run(app: Any, run: RunRecord) -> None:
-    """Publish a run's task again, with its task id, arguments, retry count and routing.
+    """Publish a run's task again, with its task id, arguments, retry count, routing and
+    priority.
 
     In an eager app (``task_always_eager``, as in tests) there is no broker to publish
     to: ``send_task`` would still send a real message (Celery only warns), which any

@@ -151,7 +151,7 @@ class Store(WaitStatements, FlowStatements):
                   "p_args": delivery.args, "p_args_fingerprint": delivery.args_fingerprint,
                   "p_exchange": delivery.exchange, "p_routing_key": delivery.routing_key,
                   "p_code_fingerprint": delivery.code_fingerprint,
-                  "p_retries": delivery.retries}
+                  "p_retries": delivery.retries, "p_priority": delivery.priority}
         statements = self._attempt_statements
         if self.modifying_ctes:
             if delivery.first and self.write_prepared(
@@ -195,7 +195,7 @@ class Store(WaitStatements, FlowStatements):
             lease_expires_at=params["p_lease_expires_at"], args=delivery.args,
             args_fingerprint=delivery.args_fingerprint, exchange=delivery.exchange,
             routing_key=delivery.routing_key, retries=delivery.retries,
-            code_fingerprint=delivery.code_fingerprint)
+            code_fingerprint=delivery.code_fingerprint, priority=delivery.priority)
 
     @staticmethod
     def _steps_by_key(names: Sequence[str], rows: Sequence[Sequence[Any]],
@@ -239,7 +239,8 @@ class Store(WaitStatements, FlowStatements):
             lease_expires_at=param("lease_expires_at"), args=param("args"),
             args_fingerprint=param("args_fingerprint"), exchange=param("exchange"),
             routing_key=param("routing_key"), code_fingerprint=param("code_fingerprint"),
-            retries=param("retries"), recoveries=0, interrupted=False)
+            retries=param("retries"), recoveries=0, interrupted=False,
+            priority=param("priority"))
         new = insert_.excluded
         acquire = and_(
             *[runs.c.status != status for status in NOT_RERUN],
@@ -335,6 +336,7 @@ class Store(WaitStatements, FlowStatements):
             "args_fingerprint": func.coalesce(runs.c.args_fingerprint, new("args_fingerprint")),
             "exchange": new("exchange"),
             "routing_key": new("routing_key"),
+            "priority": new("priority"),
             # The code the run started under (a child run recorded by its parent has none).
             "code_fingerprint": func.coalesce(runs.c.code_fingerprint, new("code_fingerprint")),
             "retries": new("retries"),
@@ -357,7 +359,8 @@ class Store(WaitStatements, FlowStatements):
                    "lease_expires_at": now + timedelta(seconds=self.config.lease_seconds),
                    "args": delivery.args, "args_fingerprint": delivery.args_fingerprint,
                    "exchange": delivery.exchange, "routing_key": delivery.routing_key,
-                   "code_fingerprint": delivery.code_fingerprint, "retries": delivery.retries}
+                   "code_fingerprint": delivery.code_fingerprint, "retries": delivery.retries,
+                   "priority": delivery.priority}
         stmt = (
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.lease_owner == dead_owner,

@@ -28,7 +28,7 @@ from ._fingerprint import code_fingerprint
 from ._lease import keeper, new_owner, owner_is_gone
 from ._limits import check_task_id
 from ._rewrite import prepare, refuse_async
-from ._send import is_recorded, send_recorded, wake_parent
+from ._send import is_recorded, priority_of, send_recorded, wake_parent
 from ._serialization import (
     Serializer,
     decode,
@@ -550,6 +550,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         return Delivery(task_name=self.name, owner=owner, args=blob,
                         args_fingerprint=fingerprint, exchange=info.get("exchange") or None,
                         routing_key=info.get("routing_key") or None,
+                        priority=priority_of(info.get("priority")),
                         retries=int(request.retries or 0),
                         code_fingerprint=code_fingerprint(self.run),
                         first=(not request.retries and not info.get("redelivered")

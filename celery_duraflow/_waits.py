@@ -29,7 +29,7 @@ from ._config import Config, app_and_config
 from ._context import ReplayStop, RunContext, Suspended, current_run, describe
 from ._limits import check_signal_name, check_task_id, moment
 from ._limits import seconds as checked_seconds
-from ._send import eta_limit, send_recorded, send_run
+from ._send import eta_limit, routing_of, send_recorded, send_run
 from ._serialization import decode, encode_arguments, get_serializer
 from ._step import check_name
 from ._store import (
@@ -357,13 +357,8 @@ def _start_child(wait: _Wait, signature: Any, child_id: str) -> None:
     task_name = _task_name(signature, wait)
     blob, _ = encode_arguments(args, kwargs, ctx.serializer, task_id=child_id,
                                task_name=task_name, serializer_name=ctx.serializer_name)
-    queue = options.get("queue")
-    routing_key = options.get("routing_key") or (queue if isinstance(queue, str) else None)
-    exchange = options.get("exchange")
     ctx.store.create_child_run(child_id, task_name=task_name,
-                               parent_id=ctx.task_id, args=blob,
-                               exchange=exchange if isinstance(exchange, str) else None,
-                               routing_key=routing_key)
+                               parent_id=ctx.task_id, args=blob, **routing_of(options))
     clone = signature.clone()
     clone.set(task_id=child_id)
     # No broker round trip for the child's result: the parent reads it from the store.

@@ -117,7 +117,7 @@ class WaitStatements(Database):
 
     def create_child_run(self, child_id: str, *, task_name: str, parent_id: str,
                          args: str | None, exchange: str | None,
-                         routing_key: str | None) -> bool:
+                         routing_key: str | None, priority: int | None = None) -> bool:
         """Record a child run before its message is sent; False if it exists already.
 
         The row is running, with no owner and an expiry one lease away: if the
@@ -130,8 +130,8 @@ class WaitStatements(Database):
             self._insert(runs)
             .values(task_id=child_id, task_name=task_name, status=RUNNING, attempts=0,
                     created_at=now, updated_at=now, args=args, exchange=exchange,
-                    routing_key=routing_key, retries=0, recoveries=0, interrupted=False,
-                    parent_id=parent_id,
+                    routing_key=routing_key, priority=priority, retries=0, recoveries=0,
+                    interrupted=False, parent_id=parent_id,
                     lease_expires_at=now + timedelta(seconds=self.config.lease_seconds))
             .on_conflict_do_nothing(index_elements=[runs.c.task_id])
             .returning(runs.c.task_id)

@@ -135,6 +135,34 @@ def test_runs_over_the_limit_wait_without_a_worker_and_start_in_order(
     assert order == ["0", "1", "2", "3", "4"]
 
 
+def test_a_run_woken_from_a_slot_queue_keeps_its_priority(
+        make_app: Callable[..., Celery]) -> None:
+    """A run sent with priority=7 that queued for a slot is sent again with priority 7."""
+    app = _worker_app(make_app)
+    gate = threading.Event()
+    seen: dict[int, list[object]] = {}
+
+    @app.task(base=DurableTask, bind=True, duraflow_limits=[Concurrency(1, key="account")])
+    def work(self: Any, account: str, n: int) -> int:
+        seen.setdefault(n, []).append((self.request.delivery_info or {}).get("priority"))
+        with step("call"):
+            if n == 0:
+                assert gate.wait(30)
+        return n
+
+    with run_worker(app, pool="threads", concurrency=2):
+        first = work.delay("acme", 0)
+        wait_for_status(app, first.id, "running")
+        queued = work.apply_async(("acme", 1), priority=7)
+        wait_for_status(app, queued.id, "waiting")
+        gate.set()
+        assert queued.get(timeout=RESULT_TIMEOUT) == 1
+    # The attempt that queued never reached the body; the woken one did, sent with 7.
+    assert seen[1] == [7], seen
+    run = store_for(config_for_app(app)).get_run(queued.id)
+    assert run is not None and run.priority == 7
+
+
 def test_a_failed_or_retried_attempt_frees_its_slot_at_once(
         make_app: Callable[..., Celery]) -> None:
     """A run that fails for good, and an attempt that asks for a retry, hand their slot on."""

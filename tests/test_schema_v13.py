@@ -39,9 +39,16 @@ def _index_definitions(engine: Engine, table: str) -> dict[str, str]:
     return {name: sql.lower() for name, sql in index_definitions(engine, table).items()}
 
 
+# Columns that versions after 13 added to runs and steps.
+_LATER_COLUMNS = frozenset({"priority"})
+
+
 def _rows(engine: Engine, store: Store) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of runs and steps, in the columns the tables had at version 13 (later
+    versions add columns, which a version-12 database gets only when it migrates)."""
     with engine.connect() as conn:
-        return {t.name: sorted(map(tuple, conn.execute(select(t)).all()))
+        return {t.name: sorted(map(tuple, conn.execute(
+                    select(*[c for c in t.c if c.name not in _LATER_COLUMNS])).all()))
                 for t in (store.tables.runs, store.tables.steps)}
 
 

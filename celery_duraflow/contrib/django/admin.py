@@ -136,14 +136,15 @@ class RunAdmin(admin.ModelAdmin):
         ("Arguments, result and error", {"fields": ("shown_args", "shown_result", "error")}),
         ("Lease and delivery", {"classes": ("collapse",), "fields": (
             "parent_id", "replaced_by", "unwinding", "interrupted", "lease_owner",
-            "lease_expires", "exchange", "routing_key", "code_fingerprint",
+            "lease_expires", "exchange", "routing_key", "priority", "code_fingerprint",
             "args_fingerprint", "serializer")}),
     )
     readonly_fields = ("task_id", "task_name", "status", "waits", "attempts", "retries",
                        "recoveries", "created", "updated", "finished", "shown_args",
                        "shown_result", "error", "parent_id", "replaced_by", "unwinding",
                        "interrupted", "lease_owner", "lease_expires", "exchange",
-                       "routing_key", "code_fingerprint", "args_fingerprint", "serializer")
+                       "routing_key", "priority", "code_fingerprint", "args_fingerprint",
+                       "serializer")
 
     # -- reading ---------------------------------------------------------------------------
 

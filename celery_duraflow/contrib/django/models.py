@@ -105,6 +105,7 @@ class Run(ReadOnlyModel):
     unwinding = models.CharField(max_length=16, null=True)
     pruned_at = models.DateTimeField(null=True)
     replaced_by = models.CharField(max_length=TASK_ID_LENGTH, null=True)
+    priority = models.SmallIntegerField(null=True)
 
     class Meta:
         managed = False

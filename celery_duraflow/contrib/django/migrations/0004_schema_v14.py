@@ -1,10 +1,11 @@
 """The store's schema version 14: the tables of flow control.
 
-Concurrency slots and their queues, rate windows and dedupe keys. Applies the
+Concurrency slots and their queues, rate windows and dedupe keys, and the runs'
+priority. Applies the
 library's own migration on the store's alias.
 """
 
-from django.db import migrations
+from django.db import migrations, models
 
 from celery_duraflow.contrib.django._migrate import schema_operation
 
@@ -19,4 +20,7 @@ class Migration(migrations.Migration):
 
     operations = [
         schema_operation(14),
+        # The runs table's new column, in the unmanaged model's state (no SQL of its own).
+        migrations.AddField(model_name="run", name="priority",
+                            field=models.SmallIntegerField(null=True)),
     ]
