@@ -10,7 +10,7 @@ take the last slot.
 
 A slot row holds its slot only while it is *live* (see :func:`_live`): its run
 still holds the lease the slot was taken under, or, for a slot handed to a
-waiting run that is on its way, until the hand-over expires. A run that ends,
+waiting run that is on its way, until that run takes it, ends or suspends. A run that ends,
 retries, suspends or dies therefore stops holding its slots in the very
 statement that ends its lease, whatever happens after; the explicit release
 only wakes the next run in the queue sooner.
@@ -106,12 +106,17 @@ def _lock_key(prefix: str, scope: str, key: str) -> int:
 
 
 def _live(row: Any, now: datetime) -> bool:
-    """Whether a slot row (joined with its run) holds its slot at ``now``."""
+    """Whether a slot row (joined with its run) holds its slot at ``now``.
+
+    A slot handed to a queued run (no owner yet) is the run's for as long as the run is
+    running: while its message waits behind others in the broker, however long, and while
+    the sweep sends a lost one again. It stops holding when the run ends or suspends
+    without having taken it; once taken, it is the taking attempt's, like any other.
+    """
     if row.status is None or row.status in FINISHED:
         return False
     if row.owner is None:
-        expires = as_utc(row.expires_at)
-        return expires is not None and expires > now
+        return bool(row.status == RUNNING)
     lease = as_utc(row.lease_expires_at)
     return (row.status == RUNNING and row.lease_owner == row.owner and lease is not None
             and lease > now)

@@ -107,10 +107,11 @@ def _unsendable(run: RunRecord, config: Config,
     """Why the sweep cannot send ``run`` (stored as its error), or None if it can."""
     advice = ("The run was marked failed, since no sweep can ever send it; send the work "
               "again under a new task id.")
-    if run.status == RUNNING and run.recoveries >= config.max_recoveries:
+    if (run.status == RUNNING and run.lease_owner is not None
+            and run.recoveries >= config.max_recoveries):
         return (f"the recovery sweep has sent task {run.task_id} ({run.task_name}) again "
                 f"{run.recoveries} times after its attempt was lost (a worker that died or was "
-                "killed mid-attempt, a retry message that never came), and "
+                "killed mid-attempt), and "
                 f"duraflow_max_recoveries is {config.max_recoveries}. The run was marked "
                 "failed rather than sent again, since the same thing would likely happen; "
                 "find why its attempts die (memory, a time limit, a crash), then run "

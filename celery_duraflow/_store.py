@@ -74,6 +74,10 @@ from ._records import (
 )
 from ._waits_store import WaitStatements
 
+#: The longest the sweep waits, in leases, before it sends again a run whose message was
+#: sent and not taken (see :meth:`Store.mark_recovering`).
+UNTAKEN_RESEND_LEASES = 10
+
 logger = logging.getLogger("celery_duraflow.store")
 
 # The store's API, and the record types and vocabulary it speaks (from _records).
@@ -596,14 +600,25 @@ class Store(WaitStatements, FlowStatements):
         now = utc_now()
         unchanged = (runs.c.lease_expires_at.is_(None) if run.lease_expires_at is None
                      else runs.c.lease_expires_at == run.lease_expires_at)
-        lost = run.status == RUNNING
+        # Only an attempt that took the run and then vanished counts as a lost attempt.
+        # A run with no owner was sent (woken, handed a slot, re-sent) and its message
+        # has not been taken yet: behind a backlog, or lost by the broker. Sending it
+        # again is right, but no attempt of it died, so no recovery is spent.
+        lost = run.status == RUNNING and run.lease_owner is not None
+        wait = grace
+        if run.status == RUNNING and not lost:
+            # Each send of a message nobody has taken waits twice as long as the one
+            # before it for the message to be taken, up to UNTAKEN_RESEND_LEASES leases: a
+            # long backlog, or a queue no worker reads, gets a few copies, not one a lease.
+            since = (now - (as_utc(run.updated_at) or now)).total_seconds()
+            wait = max(grace, min(2 * since, UNTAKEN_RESEND_LEASES * grace))
         stmt = (
             update(runs)
             .where(runs.c.task_id == run.task_id, runs.c.status == run.status, unchanged)
             # No owner, so the re-sent delivery can take the run at once; an expiry, so
             # that no other sweep sends it again before that delivery had its chance.
             .values(status=RUNNING, lease_owner=None,
-                    lease_expires_at=now + timedelta(seconds=grace),
+                    lease_expires_at=now + timedelta(seconds=wait),
                     recoveries=runs.c.recoveries + (1 if lost else 0), updated_at=now,
                     interrupted=or_(runs.c.interrupted, runs.c.lease_owner.is_not(None)),
                     wait_kind=None, waiting_for=None, wake_at=None)

@@ -9,6 +9,7 @@ and no side effect happens twice because of the task class.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import time
@@ -245,19 +246,59 @@ def test_recoveries_are_capped(make_app: Any, redis_url: str) -> None:
     store = store_for(config_for_app(app))
     task_id = str(uuid.uuid4())
     store.ensure_schema()
+    args = '{"args": [], "kwargs": {}}'
     store.begin_attempt(task_id, Delivery(task_name="citizen.lost", owner="elsewhere|x|1|y",
-                                          args='{"args": [], "kwargs": {}}'))
+                                          args=args))
     sent = 0
-    for _ in range(6):
+    for n in range(6):
         time.sleep(1.1)
         done = sweep(app)
         sent += done.sent.count(task_id)
         if task_id in done.failed:
             break
+        # The message the sweep sent is taken by an attempt that dies in turn (nobody reads
+        # the queue here, so the test stands in for that worker).
+        store.begin_attempt(task_id, Delivery(task_name="citizen.lost",
+                                              owner=f"elsewhere|x|{n + 2}|y", args=args))
     assert sent == 2
     run = get_run(task_id, app=app)
     assert run is not None and run.status == "failed"
     assert "duraflow_max_recoveries" in (run.error or "")
+
+
+def test_a_run_whose_message_is_not_taken_is_sent_again_but_never_failed(
+        make_app: Any, redis_url: str) -> None:
+    """A sent run that no worker takes (a backlog, a queue nobody reads) spends no recovery:
+    the sweep sends it again, less and less often, and never marks it failed."""
+    app = make_app(eager=False, broker=redis_url, duraflow_max_recoveries=1,
+                   duraflow_lease_seconds=1, task_default_queue=f"nobody-{uuid.uuid4().hex}")
+
+    @app.task(base=DurableTask, name="citizen.untaken")
+    def untaken() -> None:
+        with step("work"):
+            pass
+
+    store = store_for(config_for_app(app))
+    task_id = str(uuid.uuid4())
+    store.ensure_schema()
+    store.begin_attempt(task_id, Delivery(task_name="citizen.untaken", owner="gone|x|1|y",
+                                          args='{"args": [], "kwargs": {}}'))
+    sends: list[float] = []
+    deadline = time.monotonic() + 9.0
+    while time.monotonic() < deadline:
+        done = sweep(app)
+        assert task_id not in done.failed
+        if task_id in done.sent:
+            sends.append(time.monotonic())
+        time.sleep(0.1)
+    run = get_run(task_id, app=app)
+    assert run is not None and run.status == "running" and run.lease_owner is None
+    # The one lost attempt (the dead owner) is the only recovery counted.
+    assert run.recoveries == 1
+    # Sent again after 1 s (the lost attempt), then 1, 2 and 4 s apart: not once a lease.
+    assert 3 <= len(sends) <= 5, sends
+    gaps = [later - earlier for earlier, later in itertools.pairwise(sends)]
+    assert gaps == sorted(gaps) and gaps[-1] > 2 * gaps[0], gaps
 
 
 @pytest.mark.parametrize("frozen", [False, True])
