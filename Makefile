@@ -2,6 +2,7 @@
 #
 #   make venv   create .venv (if missing) and install the package with its dev extras
 #   make test   run the test suite
+#   make chaos  the chaos tests and the long scenarios (DURAFLOW_TEST_LONG=1)
 #   make demo   run the example project
 #   make lint   ruff and mypy
 
@@ -11,7 +12,7 @@ BIN := $(VENV)/bin
 # Touched after a successful install: a newer pyproject.toml triggers a reinstall.
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo lint clean
+.PHONY: venv test chaos demo lint clean
 
 venv: $(STAMP)
 
@@ -27,6 +28,11 @@ $(STAMP): pyproject.toml
 test: venv
 	$(BIN)/coverage run -m pytest $(PYTEST_ARGS); status=$$?; \
 	$(BIN)/coverage report; exit $$status
+
+# make chaos: the tests marked chaos (killed workers, a stopped PostgreSQL) and those marked
+# long (skipped by `make test`), e.g. a rate limit held for a minute. PYTEST_ARGS as for test.
+chaos: venv
+	DURAFLOW_TEST_LONG=1 $(BIN)/pytest -m "chaos or long" $(PYTEST_ARGS)
 
 demo: venv
 	$(BIN)/python -m example_project

@@ -43,6 +43,8 @@ DEFAULT_RABBITMQ_URL = "amqp://guest:guest@127.0.0.1:5672//"
 DEFAULT_PGBOUNCER_URL = "postgresql+psycopg://postgres@127.0.0.1:6432/test"
 
 REQUIRE_SERVICES = os.environ.get("DURAFLOW_REQUIRE_SERVICES") == "1"
+# `make chaos` sets DURAFLOW_TEST_LONG=1 to run the tests marked `long` too.
+RUN_LONG = os.environ.get("DURAFLOW_TEST_LONG") == "1"
 
 
 def _unavailable(what: str, url: str, exc: BaseException) -> None:
@@ -227,9 +229,14 @@ def database_url(request: pytest.FixtureRequest, table_prefix: str,
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Keep the PgBouncer variant of ``database_url`` to the modules marked ``pooled``."""
+    """Keep the PgBouncer variant of ``database_url`` to the modules marked ``pooled``;
+    skip the tests marked ``long`` unless DURAFLOW_TEST_LONG=1 (``make chaos``)."""
+    long_skip = pytest.mark.skip(
+        reason="long scenario: runs in `make chaos` (DURAFLOW_TEST_LONG=1)")
     kept, dropped = [], []
     for item in items:
+        if not RUN_LONG and item.get_closest_marker("long") is not None:
+            item.add_marker(long_skip)
         callspec = getattr(item, "callspec", None)
         through_pooler = (callspec is not None
                           and callspec.params.get("database_url") == "pgbouncer")

@@ -8,6 +8,8 @@
   share (``<prefix>charges``, ``<prefix>notify_outages``); default ``proj_``.
 * ``PROJ_LEASE_SECONDS``: ``duraflow_lease_seconds`` (default 30).
 * ``PROJ_EVENT_LOG``: a file the chaos task appends its events to (see :mod:`.chaos`).
+* ``PROJ_FLOW_LOG``: a file the flow-limited tasks append their bodies' and attempts'
+  starts and ends to (see :mod:`.flow`).
 * ``PROJ_ETA_THRESHOLD``: ``duraflow_eta_threshold`` (default 60).
 * ``PROJ_CONSUMER_TIMEOUT``: the broker's ``consumer_timeout`` in seconds, told to the
   library through ``broker_transport_options`` (RabbitMQ's is set on the server).
@@ -47,7 +49,7 @@ TABLE_PREFIX = os.environ.get("PROJ_TABLE_PREFIX") or "proj_"
 app = Celery("proj", broker=BROKER_URL, backend=RESULT_BACKEND,
              include=[f"{__package__}.tasks", f"{__package__}.chaos", f"{__package__}.waits",
                       f"{__package__}.citizen", f"{__package__}.replay",
-                      f"{__package__}.clocks"])
+                      f"{__package__}.clocks", f"{__package__}.flow"])
 app.conf.update(
     duraflow_database_url=DATABASE_URL,
     duraflow_table_prefix=TABLE_PREFIX,
