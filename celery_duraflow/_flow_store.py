@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -28,9 +29,12 @@ from typing import Any, Literal
 from sqlalchemy import (
     DateTime,
     Integer,
+    and_,
     bindparam,
     delete,
+    func,
     insert,
+    or_,
     select,
     text,
     update,
@@ -44,6 +48,8 @@ from ._records import FINISHED, RUNNING, SLEEPING, WAITING, RunRecord, as_utc, u
 #: A use is stamped when the store grants it; the body starts a few milliseconds later,
 #: after a delay that varies. The margin keeps the window true for the bodies' starts too.
 RATE_MARGIN = 0.05
+#: How many entries of a key's queue a decision reads at a time, from its head.
+QUEUE_PAGE = 16
 SLOT_WAIT: Literal["slot"] = "slot"
 RATE_WAIT: Literal["rate"] = "rate"
 DEBOUNCE_WAIT: Literal["debounce"] = "debounce"
@@ -141,23 +147,67 @@ class FlowStatements(Database):
                 .where(slots.c.scope == scope, slots.c.key == key))
         return list(conn.execute(stmt))
 
-    def _queue(self, conn: Connection, scope: str, key: str) -> list[Any]:
+    def _queue(self, conn: Connection, scope: str, key: str, *, after: Any = None,
+               limit: int | None = None) -> list[Any]:
+        """The key's queue in order, joined with the runs: whole, or ``limit`` entries
+        from the one after ``after`` (an entry read before), for reading it a page at a
+        time."""
         waits, runs = self.tables.flow_waits, self.tables.runs
         stmt = (select(waits.c.task_id, waits.c.queued_at, waits.c.limit, runs.c.status,
                        runs.c.wait_kind, runs.c.waiting_for)
                 .select_from(waits.outerjoin(runs, runs.c.task_id == waits.c.task_id))
                 .where(waits.c.scope == scope, waits.c.key == key)
                 .order_by(waits.c.queued_at, waits.c.task_id))
+        if after is not None:
+            stmt = stmt.where(or_(waits.c.queued_at > after.queued_at,
+                                  and_(waits.c.queued_at == after.queued_at,
+                                       waits.c.task_id > after.task_id)))
+        if limit is not None:
+            stmt = stmt.limit(limit)
         return list(conn.execute(stmt))
 
+    def _queued_count(self, conn: Connection, scope: str, key: str, *, waiting: bool = False,
+                      besides: str | None = None, before: Any = None) -> int:
+        """How many runs that have not ended are in the key's queue: only those waiting
+        for it (``waiting``), except ``besides``, or only those ahead of entry ``before``.
+        Counted in the database, never read row by row."""
+        waits, runs = self.tables.flow_waits, self.tables.runs
+        stmt = (select(func.count()).select_from(
+                    waits.join(runs, runs.c.task_id == waits.c.task_id))
+                .where(waits.c.scope == scope, waits.c.key == key,
+                       runs.c.status.not_in(FINISHED)))
+        if waiting:
+            stmt = stmt.where(runs.c.status == WAITING)
+        if besides is not None:
+            stmt = stmt.where(waits.c.task_id != besides)
+        if before is not None:
+            stmt = stmt.where(or_(waits.c.queued_at < before.queued_at,
+                                  and_(waits.c.queued_at == before.queued_at,
+                                       waits.c.task_id < before.task_id)))
+        return int(conn.execute(stmt).scalar() or 0)
+
+    def _head(self, conn: Connection, scope: str, key: str) -> Iterator[Any]:
+        """The key's queue in order, read a page (:data:`QUEUE_PAGE`) at a time as the
+        caller goes: a decision that stops at the head of a long queue reads only that."""
+        after = None
+        while True:
+            page = self._queue(conn, scope, key, after=after, limit=QUEUE_PAGE)
+            yield from page
+            if len(page) < QUEUE_PAGE:
+                return
+            after = page[-1]
+
     def _settle(self, conn: Connection, scope: str, key: str, now: datetime, grace: float,
-                keep: str | None = None) -> tuple[set[int], list[Any], list[RunRecord]]:
+                keep: str | None = None) -> tuple[set[int], bool, list[RunRecord]]:
         """Drop dead slot rows and stale queue entries; hand free slots to the queue.
 
         Slots go to the queued runs strictly oldest first, each while fewer slots
-        are live than the limit it queued under. Returns the slot numbers in use,
-        the queue left and the runs woken. ``keep`` is a run whose rows are left
-        as they are, live or not (the caller's own).
+        are live than the limit it queued under. The queue is read from its head
+        only as far as that goes: up to the first run that finds no slot (entries
+        behind it are cleared when they reach the head). Returns the slot numbers
+        in use, whether a waiting run (not ``keep``) is still queued, and the runs
+        woken. ``keep`` is a run whose rows are left as they are, live or not (the
+        caller's own).
         """
         slots, waits, runs = self.tables.flow_slots, self.tables.flow_waits, self.tables.runs
         used: set[int] = set()
@@ -171,9 +221,7 @@ class FlowStatements(Database):
                                                  slots.c.slot == row.slot))
         label = slot_label(scope, key)
         woken: list[RunRecord] = []
-        left: list[Any] = []
-        blocked = False
-        for entry in self._queue(conn, scope, key):
+        for entry in self._head(conn, scope, key):
             if entry.status is None or entry.status in FINISHED:
                 conn.execute(delete(waits).where(waits.c.scope == scope, waits.c.key == key,
                                                  waits.c.task_id == entry.task_id))
@@ -181,20 +229,17 @@ class FlowStatements(Database):
             ready = (entry.status == WAITING and entry.wait_kind == SLOT_WAIT
                      and entry.waiting_for == label and entry.task_id != keep)
             if not ready:
-                # On its way (sent again, being compensated): it asks again when it
-                # arrives, and does not hold up the runs behind it.
-                left.append(entry)
+                # On its way (sent again, being compensated), or the caller's own: it
+                # asks again when it arrives, and does not hold up the runs behind it.
                 continue
-            number = None if blocked or live >= entry.limit else self._insert_slot(
+            number = None if live >= entry.limit else self._insert_slot(
                 conn, scope, key, used, entry.limit,
                 task_id=entry.task_id, owner=None, granted_at=now,
                 expires_at=now + timedelta(seconds=2 * grace), queued_at=entry.queued_at)
             live = max(live, len(used))
             if number is None:
                 # Strictly in order: no waiting run is served past the head of the queue.
-                blocked = True
-                left.append(entry)
-                continue
+                return used, True, woken
             row = conn.execute(
                 update(runs)
                 .where(runs.c.task_id == entry.task_id, runs.c.status == WAITING,
@@ -212,7 +257,7 @@ class FlowStatements(Database):
                 live = len(used)
                 continue
             woken.append(RunRecord.from_row(row))
-        return used, left, woken
+        return used, False, woken
 
     def _insert_slot(self, conn: Connection, scope: str, key: str, used: set[int], limit: int,
                      **values: Any) -> int | None:
@@ -280,7 +325,7 @@ class FlowStatements(Database):
                                   WHERE s.scope = :scope AND s.key = :key AND s.slot = n)
                   AND NOT EXISTS (SELECT 1 FROM {waits_name} w
                                   WHERE w.scope = :scope AND w.key = :key)
-                ORDER BY n LIMIT 1
+                ORDER BY (n + :start) % (:top + 1) LIMIT 1
                 ON CONFLICT DO NOTHING
                 RETURNING slot, queued_at)
             SELECT slot, queued_at FROM adopt
@@ -290,7 +335,8 @@ class FlowStatements(Database):
                         bindparam("task_id", type_=slots.c.task_id.type),
                         bindparam("owner", type_=slots.c.owner.type),
                         bindparam("now", type_=DateTime(timezone=True)),
-                        bindparam("top", type_=Integer()))
+                        bindparam("top", type_=Integer()),
+                        bindparam("start", type_=Integer()))
         # The rows go, and the keys that have runs queued come back, in one statement. A
         # run that queues at this moment is not seen (the statement's snapshot is older),
         # but it saw the slot taken and looks again itself once it waits (flow.enter).
@@ -318,8 +364,12 @@ class FlowStatements(Database):
         now = utc_now()
         rows = self.write_prepared(
             self._flow_statements["acquire"],
+            # Each attempt tries the free numbers from a point of its own, so that attempts
+            # racing for one key's slots seldom pick the same number (the loser of a pick
+            # takes the locked path).
             {"scope": scope, "key": key, "task_id": task_id, "owner": owner, "now": now,
-             "top": limit - 1},
+             "top": limit - 1,
+             "start": zlib.crc32(task_id.encode("utf-8", "surrogatepass")) % limit},
             "taking a concurrency slot", task_id).rows
         if not rows:
             return None
@@ -333,10 +383,11 @@ class FlowStatements(Database):
         with self.transaction("taking a concurrency slot", task_id) as conn:
             self._flow_lock(conn, scope, key)
             now = utc_now()
-            used, queue, woken = self._settle(conn, scope, key, now, grace, keep=task_id)
+            used, blocked, woken = self._settle(conn, scope, key, now, grace, keep=task_id)
             mine = [row for row in self._slot_rows(conn, scope, key) if row.task_id == task_id]
-            ahead = [entry for entry in queue if entry.task_id != task_id
-                     and entry.status == WAITING]
+            # Another run waits in the queue (a run the settling could not serve does).
+            ahead = blocked or self._queued_count(conn, scope, key, waiting=True,
+                                                  besides=task_id) > 0
             live = len(used) - len(mine)
             taken = bool(mine)
             if mine:
@@ -354,16 +405,19 @@ class FlowStatements(Database):
                 queued_at = as_utc(mine[0].queued_at) if mine else None
                 waited = (now - queued_at).total_seconds() if queued_at is not None else 0.0
                 return SlotAnswer("granted", 0, live + 1, woken, max(0.0, waited))
-            queued = next((e for e in queue if e.task_id == task_id), None)
+            queued = conn.execute(select(waits.c.task_id, waits.c.queued_at).where(
+                waits.c.scope == scope, waits.c.key == key,
+                waits.c.task_id == task_id)).first()
             if queued is None:
+                position = self._queued_count(conn, scope, key, waiting=True,
+                                              besides=task_id) + 1
                 conn.execute(insert(waits).values(scope=scope, key=key, task_id=task_id,
                                                   queued_at=now, limit=limit))
-                position = len(ahead) + 1
             else:
                 conn.execute(update(waits).where(
                     waits.c.scope == scope, waits.c.key == key,
                     waits.c.task_id == task_id).values(limit=limit))
-                position = [e.task_id for e in queue].index(task_id) + 1
+                position = self._queued_count(conn, scope, key, before=queued) + 1
             expires = None if sweep_after is None else now + timedelta(seconds=sweep_after)
             suspended = conn.execute(
                 update(runs).where(runs.c.task_id == task_id, runs.c.lease_owner == owner)
@@ -436,13 +490,12 @@ class FlowStatements(Database):
             entries = list(conn.execute(select(waits).where(waits.c.task_id == task_id)))
             now = utc_now()
             for entry in entries:
-                queue = self._queue(conn, entry.scope, entry.key)
-                order = [row.task_id for row in queue]
                 holding = sum(1 for row in self._slot_rows(conn, entry.scope, entry.key)
                               if _live(row, now))
                 answer.append(QueuePlace(
                     scope=entry.scope, key=entry.key, task_id=task_id,
-                    position=order.index(task_id) + 1 if task_id in order else 0,
+                    position=self._queued_count(conn, entry.scope, entry.key,
+                                                before=entry) + 1,
                     limit=entry.limit, holding=holding,
                     queued_at=as_utc(entry.queued_at) or now))
         return answer

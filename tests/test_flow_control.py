@@ -135,6 +135,37 @@ def test_runs_over_the_limit_wait_without_a_worker_and_start_in_order(
     assert order == ["0", "1", "2", "3", "4"]
 
 
+def test_a_queue_longer_than_a_page_is_served_in_order_and_counts_places(
+        make_app: Callable[..., Celery]) -> None:
+    """40 runs queued for one slot (more than a page of the queue) show places 1..40 and
+    start strictly in the order they queued."""
+    app = _worker_app(make_app)
+    ledger = Ledger()
+    gate = threading.Event()
+
+    @app.task(base=DurableTask, duraflow_limits=[Concurrency(1, key="account")])
+    def work(account: str, n: int) -> int:
+        with step("call"):
+            if n == 0:
+                assert gate.wait(60)
+            ledger.run(account, str(n), 0.0)
+        return n
+
+    with run_worker(app, pool="threads", concurrency=2):
+        first = work.delay("acme", 0)
+        wait_for_status(app, first.id, "running")
+        queued = []
+        for n in range(1, 41):
+            queued.append(work.delay("acme", n))
+            wait_for_status(app, queued[-1].id, "waiting")
+        store = store_for(config_for_app(app))
+        assert [store.queued(r.id)[0].position for r in queued] == list(range(1, 41))
+        gate.set()
+        assert [r.get(timeout=RESULT_TIMEOUT) for r in queued] == list(range(1, 41))
+    assert [name for key, name, _ in ledger.starts if key == "acme"] == [
+        str(n) for n in range(41)]
+
+
 def test_a_run_woken_from_a_slot_queue_keeps_its_priority(
         make_app: Callable[..., Celery]) -> None:
     """A run sent with priority=7 that queued for a slot is sent again with priority 7."""
