@@ -899,29 +899,38 @@ class Harness:
             brokers.append(("RabbitMQ", "", "no RabbitMQ URL given"))
         return brokers
 
-    def bench_e2e(self) -> None:
-        df = self.duraflow  # the schema exists before the workers start
-        HandWritten.create_tables(df.admin, self.prefix)
-        brokers = self._brokers()
+    def _per_broker(self, name: str, on_broker: Callable[[str, str, Target], list[str]]
+                    ) -> tuple[list[str], Exception | None]:
+        """``on_broker(label, url, target)`` on Redis, then RabbitMQ; each section's lines.
+
+        A broker that cannot be used is skipped with the reason; one that fails is reported
+        as an ERROR in its section, and the other broker's numbers are still taken. The
+        first failure is returned for the caller to raise once its section is printed.
+        """
+        self.results[name] = {}
         lines: list[str] = []
-        self.results["e2e"] = {}
         failure: Exception | None = None
-        for label, url, problem in brokers:
-            target = self.targets[f"e2e_{label.lower()}"]
+        for label, url, problem in self._brokers():
+            target = self.targets[f"{name}_{label.lower()}"]
             if problem:
                 lines += [f"### {label}", "", f"Skipped: {problem}.", ""]
                 target.status, target.note = "skipped", problem
-                self.results["e2e"][label] = {"skipped": problem}
+                self.results[name][label] = {"skipped": problem}
                 continue
             try:
-                lines += self._e2e_on(label, url, target)
+                lines += on_broker(label, url, target)
             except Exception as exc:
-                # The other broker's numbers are still worth printing; the run fails after.
                 traceback.print_exc()
                 failure = failure or exc
                 lines += [f"### {label}", "", f"ERROR: {type(exc).__name__}: {exc}", ""]
                 target.status, target.note = "error", type(exc).__name__
-                self.results["e2e"][label] = {"error": f"{type(exc).__name__}: {exc}"}
+                self.results[name][label] = {"error": f"{type(exc).__name__}: {exc}"}
+        return lines, failure
+
+    def bench_e2e(self) -> None:
+        df = self.duraflow  # the schema exists before the workers start
+        HandWritten.create_tables(df.admin, self.prefix)
+        lines, failure = self._per_broker("e2e", self._e2e_on)
         s = self.sizes
         self.section("End to end through Celery", [
             f"{s.e2e_tasks} tasks per round, sent to one `celery worker --pool prefork "
@@ -1208,28 +1217,12 @@ class Harness:
             "otherwise (early ack, prefetch 4).",
             "",
         ]
-        self.results["flow"] = {}
-        failure: Exception | None = None
-        for label, url, problem in self._brokers():
-            target = self.targets[f"flow_{label.lower()}"]
-            if problem:
-                lines += [f"### {label}", "", f"Skipped: {problem}.", ""]
-                target.status, target.note = "skipped", problem
-                self.results["flow"][label] = {"skipped": problem}
-                continue
-            try:
-                broker_lines, data = flow.through_worker(
-                    label, url, backend_url=self.broker_url, database_url=self.database_url,
-                    prefix=self.prefix, admin=df.admin, tasks=s.flow_tasks,
-                    rounds=s.flow_rounds, warmup=s.flow_warmup)
-            except Exception as exc:
-                traceback.print_exc()
-                failure = failure or exc
-                lines += [f"### {label}", "", f"ERROR: {type(exc).__name__}: {exc}", ""]
-                target.status, target.note = "error", type(exc).__name__
-                self.results["flow"][label] = {"error": f"{type(exc).__name__}: {exc}"}
-                continue
-            lines += broker_lines
+
+        def on_broker(label: str, url: str, target: Target) -> list[str]:
+            broker_lines, data = flow.through_worker(
+                label, url, backend_url=self.broker_url, database_url=self.database_url,
+                prefix=self.prefix, admin=df.admin, tasks=s.flow_tasks,
+                rounds=s.flow_rounds, warmup=s.flow_warmup)
             self.results["flow"][label] = data
             figures = data["works"][flow.TARGET_WORK]
             keyed = figures["keyed"]["over_none"]
@@ -1239,6 +1232,10 @@ class Harness:
                            f"{figures['none']['tasks_per_s']:.0f} tasks/s; one key "
                            f"{figures['one key']['over_none']:.2f}x; 10 ms sleep "
                            f"{data['works']['sleep']['keyed']['over_none']:.2f}x")
+            return broker_lines
+
+        broker_lines, failure = self._per_broker("flow", on_broker)
+        lines += broker_lines
         local_lines, local = flow.in_process(
             self.database_url, self.prefix, steps=flow.WORKS[0].steps,
             rounds=s.flow_local_rounds, runs=s.flow_runs, warmup=s.warmup,

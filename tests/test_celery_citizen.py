@@ -234,10 +234,15 @@ def test_ignore_and_reject_end_the_run(worker: Worker, name: str, status: str) -
     assert worker.charges(result.id) == {status: 1}
 
 
-def test_recoveries_are_capped(make_app: Any, redis_url: str) -> None:
-    """A run whose attempts keep getting lost is failed after duraflow_max_recoveries sends."""
-    app = make_app(eager=False, broker=redis_url, duraflow_max_recoveries=2,
+ARGS = '{"args": [], "kwargs": {}}'
+
+
+def _lost_run(make_app: Any, redis_url: str, max_recoveries: int) -> tuple[Celery, Any, str]:
+    """An app whose queue no worker reads, and a run of its task ``citizen.lost`` taken by
+    an attempt that died (its owner is on no live host): (app, store, task id)."""
+    app = make_app(eager=False, broker=redis_url, duraflow_max_recoveries=max_recoveries,
                    duraflow_lease_seconds=1, task_default_queue=f"nobody-{uuid.uuid4().hex}")
+
     @app.task(base=DurableTask, name="citizen.lost")
     def lost() -> None:
         with step("work"):
@@ -246,9 +251,14 @@ def test_recoveries_are_capped(make_app: Any, redis_url: str) -> None:
     store = store_for(config_for_app(app))
     task_id = str(uuid.uuid4())
     store.ensure_schema()
-    args = '{"args": [], "kwargs": {}}'
     store.begin_attempt(task_id, Delivery(task_name="citizen.lost", owner="elsewhere|x|1|y",
-                                          args=args))
+                                          args=ARGS))
+    return app, store, task_id
+
+
+def test_recoveries_are_capped(make_app: Any, redis_url: str) -> None:
+    """A run whose attempts keep getting lost is failed after duraflow_max_recoveries sends."""
+    app, store, task_id = _lost_run(make_app, redis_url, 2)
     sent = 0
     for n in range(6):
         time.sleep(1.1)
@@ -259,7 +269,7 @@ def test_recoveries_are_capped(make_app: Any, redis_url: str) -> None:
         # The message the sweep sent is taken by an attempt that dies in turn (nobody reads
         # the queue here, so the test stands in for that worker).
         store.begin_attempt(task_id, Delivery(task_name="citizen.lost",
-                                              owner=f"elsewhere|x|{n + 2}|y", args=args))
+                                              owner=f"elsewhere|x|{n + 2}|y", args=ARGS))
     assert sent == 2
     run = get_run(task_id, app=app)
     assert run is not None and run.status == "failed"
@@ -270,19 +280,7 @@ def test_a_run_whose_message_is_not_taken_is_sent_again_but_never_failed(
         make_app: Any, redis_url: str) -> None:
     """A sent run that no worker takes (a backlog, a queue nobody reads) spends no recovery:
     the sweep sends it again, less and less often, and never marks it failed."""
-    app = make_app(eager=False, broker=redis_url, duraflow_max_recoveries=1,
-                   duraflow_lease_seconds=1, task_default_queue=f"nobody-{uuid.uuid4().hex}")
-
-    @app.task(base=DurableTask, name="citizen.untaken")
-    def untaken() -> None:
-        with step("work"):
-            pass
-
-    store = store_for(config_for_app(app))
-    task_id = str(uuid.uuid4())
-    store.ensure_schema()
-    store.begin_attempt(task_id, Delivery(task_name="citizen.untaken", owner="gone|x|1|y",
-                                          args='{"args": [], "kwargs": {}}'))
+    app, _, task_id = _lost_run(make_app, redis_url, 1)
     sends: list[float] = []
     deadline = time.monotonic() + 9.0
     while time.monotonic() < deadline:
