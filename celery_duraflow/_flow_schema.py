@@ -46,7 +46,6 @@ def flow_tables(prefix: str, metadata: MetaData) -> tuple[Table, Table, Table, T
         Column("task_id", String(TASK_ID_LENGTH), nullable=False),
         Column("owner", String(200), nullable=True),
         Column("granted_at", DateTime(timezone=True), nullable=False),
-        Column("expires_at", DateTime(timezone=True), nullable=True),
         # For a slot handed to a queued run: when that run was queued.
         Column("queued_at", DateTime(timezone=True), nullable=True),
         PrimaryKeyConstraint("scope", "key", "slot", name=f"{prefix}flow_slots_key"),

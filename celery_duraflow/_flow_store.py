@@ -140,18 +140,16 @@ class FlowStatements(Database):
 
     def _slot_rows(self, conn: Connection, scope: str, key: str) -> list[Any]:
         slots, runs = self.tables.flow_slots, self.tables.runs
-        stmt = (select(slots.c.slot, slots.c.task_id, slots.c.owner, slots.c.expires_at,
+        stmt = (select(slots.c.slot, slots.c.task_id, slots.c.owner,
                        slots.c.queued_at, runs.c.status, runs.c.lease_owner,
                        runs.c.lease_expires_at)
                 .select_from(slots.outerjoin(runs, runs.c.task_id == slots.c.task_id))
                 .where(slots.c.scope == scope, slots.c.key == key))
         return list(conn.execute(stmt))
 
-    def _queue(self, conn: Connection, scope: str, key: str, *, after: Any = None,
-               limit: int | None = None) -> list[Any]:
-        """The key's queue in order, joined with the runs: whole, or ``limit`` entries
-        from the one after ``after`` (an entry read before), for reading it a page at a
-        time."""
+    def _queue_page(self, conn: Connection, scope: str, key: str, after: Any) -> list[Any]:
+        """Up to :data:`QUEUE_PAGE` entries of the key's queue in order, joined with the
+        runs: from its head, or from the one after ``after`` (an entry read before)."""
         waits, runs = self.tables.flow_waits, self.tables.runs
         stmt = (select(waits.c.task_id, waits.c.queued_at, waits.c.limit, runs.c.status,
                        runs.c.wait_kind, runs.c.waiting_for)
@@ -162,9 +160,7 @@ class FlowStatements(Database):
             stmt = stmt.where(or_(waits.c.queued_at > after.queued_at,
                                   and_(waits.c.queued_at == after.queued_at,
                                        waits.c.task_id > after.task_id)))
-        if limit is not None:
-            stmt = stmt.limit(limit)
-        return list(conn.execute(stmt))
+        return list(conn.execute(stmt.limit(QUEUE_PAGE)))
 
     def _queued_count(self, conn: Connection, scope: str, key: str, *, waiting: bool = False,
                       besides: str | None = None, before: Any = None) -> int:
@@ -191,7 +187,7 @@ class FlowStatements(Database):
         caller goes: a decision that stops at the head of a long queue reads only that."""
         after = None
         while True:
-            page = self._queue(conn, scope, key, after=after, limit=QUEUE_PAGE)
+            page = self._queue_page(conn, scope, key, after)
             yield from page
             if len(page) < QUEUE_PAGE:
                 return
@@ -234,8 +230,7 @@ class FlowStatements(Database):
                 continue
             number = None if live >= entry.limit else self._insert_slot(
                 conn, scope, key, used, entry.limit,
-                task_id=entry.task_id, owner=None, granted_at=now,
-                expires_at=now + timedelta(seconds=2 * grace), queued_at=entry.queued_at)
+                task_id=entry.task_id, owner=None, granted_at=now, queued_at=entry.queued_at)
             live = max(live, len(used))
             if number is None:
                 # Strictly in order: no waiting run is served past the head of the queue.
@@ -312,7 +307,7 @@ class FlowStatements(Database):
         slots_name, waits_name = quote(slots.name), quote(waits.name)
         acquire = text(f"""
             WITH adopt AS (
-                UPDATE {slots_name} SET owner = :owner, expires_at = NULL
+                UPDATE {slots_name} SET owner = :owner
                 WHERE scope = :scope AND key = :key AND task_id = :task_id
                 RETURNING slot, queued_at),
             inserted AS (
@@ -385,19 +380,20 @@ class FlowStatements(Database):
             now = utc_now()
             used, blocked, woken = self._settle(conn, scope, key, now, grace, keep=task_id)
             mine = [row for row in self._slot_rows(conn, scope, key) if row.task_id == task_id]
-            # Another run waits in the queue (a run the settling could not serve does).
-            ahead = blocked or self._queued_count(conn, scope, key, waiting=True,
-                                                  besides=task_id) > 0
+            # The other runs waiting in the queue: there is one if the settling stopped at
+            # a run it could not serve; counted only where it matters, once.
+            others = None if blocked else self._queued_count(conn, scope, key, waiting=True,
+                                                              besides=task_id)
+            ahead = blocked or bool(others)
             live = len(used) - len(mine)
             taken = bool(mine)
             if mine:
                 conn.execute(update(slots).where(
                     slots.c.scope == scope, slots.c.key == key,
-                    slots.c.task_id == task_id).values(owner=owner, expires_at=None))
+                    slots.c.task_id == task_id).values(owner=owner))
             elif not ahead and live < limit:
                 taken = self._insert_slot(conn, scope, key, used, limit, task_id=task_id,
-                                          owner=owner, granted_at=now,
-                                          expires_at=None) is not None
+                                          owner=owner, granted_at=now) is not None
                 live = len(used) - 1 if taken else len(used)
             if taken:
                 conn.execute(delete(waits).where(waits.c.scope == scope, waits.c.key == key,
@@ -409,8 +405,10 @@ class FlowStatements(Database):
                 waits.c.scope == scope, waits.c.key == key,
                 waits.c.task_id == task_id)).first()
             if queued is None:
-                position = self._queued_count(conn, scope, key, waiting=True,
-                                              besides=task_id) + 1
+                if others is None:
+                    others = self._queued_count(conn, scope, key, waiting=True,
+                                                besides=task_id)
+                position = others + 1
                 conn.execute(insert(waits).values(scope=scope, key=key, task_id=task_id,
                                                   queued_at=now, limit=limit))
             else:
