@@ -412,10 +412,23 @@ def holds_slots(task: Any) -> bool:
                for limit in getattr(task, "duraflow_limits", ()) or ())
 
 
-def leave(task: Any, store: Store, run_key: str, owner: str, grace: float) -> None:
-    """After an attempt of a task with concurrency limits: hand on what it held."""
+@dataclass
+class Freed:
+    """An attempt's concurrency slots: ``queued`` is None until they are freed, then the
+    keys they were freed from that have runs queued for them."""
+
+    queued: set[tuple[str, str]] | None = None
+
+
+def leave(task: Any, store: Store, run_key: str, owner: str, grace: float,
+          freed: Freed) -> None:
+    """After an attempt of a task with concurrency limits: hand on what it held (freed
+    already where the statement that recorded the run's success freed it)."""
     try:
-        woken = store.release_slots(run_key, owner, grace=grace)
+        if freed.queued is None:
+            woken = store.release_slots(run_key, owner, grace=grace)
+        else:
+            woken = store.settle_keys(freed.queued, grace=grace, task_id=run_key)
     except StoreUnavailable:
         logger.warning("task %s: could not free its concurrency slots; they are free once "
                        "its lease ends, and the sweep hands them on", run_key, exc_info=True)

@@ -32,11 +32,16 @@ from sqlalchemy import (
     and_,
     bindparam,
     delete,
+    exists,
     func,
     insert,
+    literal,
+    literal_column,
+    null,
     or_,
     select,
     text,
+    union_all,
     update,
 )
 from sqlalchemy.engine import Connection
@@ -335,9 +340,13 @@ class FlowStatements(Database):
         # The rows go, and the keys that have runs queued come back, in one statement. A
         # run that queues at this moment is not seen (the statement's snapshot is older),
         # but it saw the slot taken and looks again itself once it waits (flow.enter).
+        # Committed without waiting for the WAL flush: the rows stopped holding their
+        # slots when the attempt's lease ended, so a database crash that loses the
+        # delete loses nothing (the next decision about the key clears them).
         release = text(f"""
             WITH freed AS (
                 DELETE FROM {slots_name} WHERE task_id = :task_id AND owner = :owner
+                  AND (SELECT set_config('synchronous_commit', 'off', true)) IS NOT NULL
                 RETURNING scope, key)
             SELECT DISTINCT f.scope, f.key FROM freed f
             WHERE EXISTS (SELECT 1 FROM {waits_name} w
@@ -345,6 +354,29 @@ class FlowStatements(Database):
         """).bindparams(bindparam("task_id", type_=slots.c.task_id.type),
                         bindparam("owner", type_=slots.c.owner.type))
         return {"acquire": self.prepare(acquire), "release": self.prepare(release)}
+
+    def freeing(self, run_end: Any) -> Any:
+        """``run_end`` (an UPDATE of the run's row, parameters ``p_task_id`` and ``p_owner``),
+        with the deletion of the slot rows that owner took, as one statement.
+
+        It answers with one row whose ``finished`` counts the runs ended, and one
+        row per freed key that has runs queued for it. Both writes commit
+        together: a limited run's success costs what an unlimited one's does,
+        plus a delete by an index.
+        """
+        slots, waits = self.tables.flow_slots, self.tables.flow_waits
+        ended = run_end.returning(literal_column("1").label("one")).cte("ended")
+        freed = (delete(slots)
+                 .where(slots.c.task_id == bindparam("p_task_id", type_=slots.c.task_id.type),
+                        slots.c.owner == bindparam("p_owner", type_=slots.c.owner.type))
+                 .returning(slots.c.scope, slots.c.key).cte("freed"))
+        counted = select(select(func.count()).select_from(ended).scalar_subquery()
+                         .label("finished"), null().label("scope"), null().label("key"))
+        queued = (select(literal(0).label("finished"), freed.c.scope, freed.c.key)
+                  .where(exists().where(waits.c.scope == freed.c.scope,
+                                        waits.c.key == freed.c.key))
+                  .distinct())
+        return union_all(counted, queued)
 
     def _acquire_fast(self, task_id: str, owner: str, *, scope: str, key: str,
                       limit: int) -> SlotAnswer | None:
@@ -441,8 +473,13 @@ class FlowStatements(Database):
                 "freeing the run's concurrency slots", task_id).rows}
         else:
             queued = self._release_locally(task_id, owner)
+        return self.settle_keys(queued, grace=grace, task_id=task_id)
+
+    def settle_keys(self, keys: set[tuple[str, str]], *, grace: float,
+                    task_id: str) -> list[RunRecord]:
+        """Settle each of ``keys`` (freed by ``task_id``'s attempt) in turn, in one order."""
         woken: list[RunRecord] = []
-        for scope, key in sorted(queued):
+        for scope, key in sorted(keys):
             woken += self.settle_key(scope, key, grace=grace, task_id=task_id)
         return woken
 

@@ -270,17 +270,7 @@ class Store(WaitStatements, FlowStatements):
                       for name, value in taken.items()})
         ordered = select(steps).where(steps.c.task_id == param("task_id")).order_by(
             *self._step_order)
-        finish = (
-            update(runs)
-            .where(runs.c.task_id == param("task_id"),
-                   runs.c.lease_owner == bindparam("p_owner", type_=runs.c.lease_owner.type),
-                   runs.c.status != SUCCEEDED)
-            .values(status=param("status"), result=param("result"),
-                    serializer=param("serializer"), error=param("error"), updated_at=now,
-                    finished_at=now, lease_owner=None, lease_expires_at=None,
-                    interrupted=False, unwinding=None)
-        )
-        statements = {"finish": self.prepare(finish, raw=True)}
+        statements = {"finish": self.prepare(self._run_end(), raw=True)}
         if not self.modifying_ctes:
             statements.update(begin=self.prepare(upsert.returning(*runs.c)),
                               steps=self.prepare(ordered))
@@ -377,14 +367,62 @@ class Store(WaitStatements, FlowStatements):
             row = conn.execute(stmt).first()
         return RunRecord.from_row(row) if row is not None else None
 
+    def _run_end(self) -> Any:
+        """The update that records a run's end and drops its lease, where ``p_owner`` holds it
+        (its parameters as :meth:`_end_params` names them)."""
+        runs = self.tables.runs
+
+        def param(name: str) -> Any:
+            return bindparam(f"p_{name}", type_=runs.c[name].type)
+
+        now = param("updated_at")
+        return (
+            update(runs)
+            .where(runs.c.task_id == param("task_id"),
+                   runs.c.lease_owner == bindparam("p_owner", type_=runs.c.lease_owner.type),
+                   runs.c.status != SUCCEEDED)
+            .values(status=param("status"), result=param("result"),
+                    serializer=param("serializer"), error=param("error"), updated_at=now,
+                    finished_at=now, lease_owner=None, lease_expires_at=None,
+                    interrupted=False, unwinding=None)
+        )
+
+    @staticmethod
+    def _end_params(task_id: str, owner: str, status: RunStatus, result: str | None,
+                    serializer: str | None, error: str | None) -> dict[str, Any]:
+        return {"p_task_id": task_id, "p_owner": owner, "p_status": status,
+                "p_result": result, "p_serializer": serializer, "p_error": error,
+                "p_updated_at": utc_now()}
+
     def finish_run(self, task_id: str, owner: str, status: RunStatus, *, result: str | None = None,
                    serializer: str | None = None, error: str | None = None) -> bool:
         """Record the end of a run and drop its lease; False if this owner lost the lease."""
-        params = {"p_task_id": task_id, "p_owner": owner, "p_status": status,
-                  "p_result": result, "p_serializer": serializer, "p_error": error,
-                  "p_updated_at": utc_now()}
+        params = self._end_params(task_id, owner, status, result, serializer, error)
         return self.write_prepared(self._attempt_statements["finish"], params,
                                    f"recording the run as {status}", task_id).rowcount > 0
+
+    def finish_freeing(self, task_id: str, owner: str, *, result: str | None,
+                       serializer: str | None) -> tuple[bool, set[tuple[str, str]]]:
+        """Record a run's success and free the concurrency slots its attempt took.
+
+        On PostgreSQL one statement does both (see :meth:`FlowStatements.freeing`),
+        so a limited run's end costs no more round trips or commits than an
+        unlimited one's. Returns whether this owner still held the lease, and
+        the keys that have runs queued for them (to be settled next).
+        """
+        if self.dialect != "postgresql":
+            finished = self.finish_run(task_id, owner, SUCCEEDED, result=result,
+                                       serializer=serializer)
+            return finished, self._release_locally(task_id, owner)
+        params = self._end_params(task_id, owner, SUCCEEDED, result, serializer, None)
+        rows = self.write_prepared(self._finish_freeing, params,
+                                   f"recording the run as {SUCCEEDED}", task_id).rows
+        finished = any(scope is None and count for count, scope, _ in rows)
+        return finished, {(scope, key) for _, scope, key in rows if scope is not None}
+
+    @functools.cached_property
+    def _finish_freeing(self) -> Prepared:
+        return self.prepare(self.freeing(self._run_end()))
 
     def update_arguments(self, task_id: str, owner: str, args: str | None,
                          fingerprint: str | None) -> bool:

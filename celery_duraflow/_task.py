@@ -305,26 +305,28 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                 run, recorded = taken, None
 
             keeper().hold(store, run_key, owner)
+            freed = _flow.Freed() if _flow.holds_slots(self) else None
             if attempt_started.receivers:
                 attempt_started.send(sender=self, task_id=run_key, attempt=run.attempts)
             ended: BaseException | None = None
             try:
                 return self._attempt(store, config, serializer, run, recorded, owner, args,
-                                     kwargs, celery_id=task_id, level=nesting)
+                                     kwargs, celery_id=task_id, level=nesting, freed=freed)
             except BaseException as exc:
                 ended = exc
                 raise
             finally:
                 keeper().release(store, run_key, owner)
-                if _flow.holds_slots(self):
-                    _flow.leave(self, store, run_key, owner, config.lease_seconds)
+                if freed is not None:
+                    _flow.leave(self, store, run_key, owner, config.lease_seconds, freed)
                 if attempt_finished.receivers:
                     attempt_finished.send(sender=self, task_id=run_key, attempt=run.attempts,
                                           exception=ended)
 
     def _attempt(self, store: Store, config: Config, serializer: Serializer, run: RunRecord,
                  recorded: dict[str, StepRecord] | None, owner: str, args: tuple[Any, ...],
-                 kwargs: dict[str, Any], *, celery_id: str, level: int) -> Any:
+                 kwargs: dict[str, Any], *, celery_id: str, level: int,
+                 freed: _flow.Freed | None = None) -> Any:
         task_id = run.task_id
         if recorded is None:
             try:
@@ -417,8 +419,12 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
             return result
         data = self._stored_result(ctx, run, serializer, result)
         try:
-            finished = store.finish_run(task_id, owner, SUCCEEDED, result=data,
-                                        serializer=config.serializer)
+            if freed is None:
+                finished = store.finish_run(task_id, owner, SUCCEEDED, result=data,
+                                            serializer=config.serializer)
+            else:  # its concurrency slots go in the same statement
+                finished, freed.queued = store.finish_freeing(
+                    task_id, owner, result=data, serializer=config.serializer)
         except StoreUnavailable as exc:
             # Every step is recorded; the next attempt replays them and records the end.
             self._hand_over(ctx, config, exc)

@@ -575,3 +575,40 @@ def test_attempts_racing_for_one_keys_slots_never_exceed_the_limit(
         thread.join()
     assert errors == []
     assert most[0] <= 2 and taken[0] > 10
+
+
+@pytest.mark.postgres
+@pytest.mark.pooled
+@pytest.mark.parametrize("database_url", ["postgres", "pgbouncer"], indirect=True)
+def test_a_run_that_succeeds_frees_its_slot_in_the_write_that_records_its_end(
+        make_app: Callable[..., Celery]) -> None:
+    """On PostgreSQL a limited run's success costs one round trip more than an unlimited
+    one's (taking the slot): its slot row goes in the statement that records the end."""
+    from tests.test_store import count_round_trips
+
+    app = make_app()
+
+    @app.task(base=DurableTask, duraflow_limits=[Concurrency(2, key="tenant")])
+    def limited(tenant: str) -> int:
+        with step("s") as s:
+            s.result = 1
+        return int(s.result)
+
+    @app.task(base=DurableTask)
+    def unlimited(tenant: str) -> int:
+        with step("s") as s:
+            s.result = 1
+        return int(s.result)
+
+    store = store_for(config_for_app(app))
+    for task in (limited, unlimited):  # prepared and warm before counting
+        for _ in range(6):
+            assert task.apply(args=(f"warm-{uuid.uuid4().hex[:6]}",)).get() == 1
+    counts = {}
+    for task in (limited, unlimited):
+        with count_round_trips(store) as round_trips:
+            assert task.apply(args=("acme",)).get() == 1
+        counts[task.name] = round_trips[0]
+    assert counts[limited.name] == counts[unlimited.name] + 1, counts
+    with store.engine.connect() as conn:
+        assert conn.execute(select(store.tables.flow_slots)).all() == []
