@@ -270,7 +270,8 @@ class Store(WaitStatements, FlowStatements):
                       for name, value in taken.items()})
         ordered = select(steps).where(steps.c.task_id == param("task_id")).order_by(
             *self._step_order)
-        statements = {"finish": self.prepare(self._run_end(), raw=True)}
+        statements = {"finish": self.prepare(self._run_end(), raw=True),
+                      "succeed": self.prepare(self._run_end(relaxed=True), raw=True)}
         if not self.modifying_ctes:
             statements.update(begin=self.prepare(upsert.returning(*runs.c)),
                               steps=self.prepare(ordered))
@@ -367,9 +368,13 @@ class Store(WaitStatements, FlowStatements):
             row = conn.execute(stmt).first()
         return RunRecord.from_row(row) if row is not None else None
 
-    def _run_end(self) -> Any:
+    def _run_end(self, *, relaxed: bool = False) -> Any:
         """The update that records a run's end and drops its lease, where ``p_owner`` holds it
-        (its parameters as :meth:`_end_params` names them)."""
+        (its parameters as :meth:`_end_params` names them).
+
+        ``relaxed``: committed without waiting for the WAL flush, for a success (see
+        :meth:`finish_run`).
+        """
         runs = self.tables.runs
 
         def param(name: str) -> Any:
@@ -380,7 +385,8 @@ class Store(WaitStatements, FlowStatements):
             update(runs)
             .where(runs.c.task_id == param("task_id"),
                    runs.c.lease_owner == bindparam("p_owner", type_=runs.c.lease_owner.type),
-                   runs.c.status != SUCCEEDED)
+                   runs.c.status != SUCCEEDED,
+                   *([self._asynchronous_commit()] if relaxed else []))
             .values(status=param("status"), result=param("result"),
                     serializer=param("serializer"), error=param("error"), updated_at=now,
                     finished_at=now, lease_owner=None, lease_expires_at=None,
@@ -396,9 +402,19 @@ class Store(WaitStatements, FlowStatements):
 
     def finish_run(self, task_id: str, owner: str, status: RunStatus, *, result: str | None = None,
                    serializer: str | None = None, error: str | None = None) -> bool:
-        """Record the end of a run and drop its lease; False if this owner lost the lease."""
+        """Record the end of a run and drop its lease; False if this owner lost the lease.
+
+        A success commits without waiting for the WAL flush. A database crash may
+        lose it (nothing else: any later durable commit flushes it too, so whatever
+        was recorded after reading it keeps it); the run then looks running under
+        a lease nobody renews, and once that lease ends it is taken over and
+        replayed: every step is recorded (each step's record is durable), so no
+        step body runs again, and the replay records the end once more. A failure
+        waits for the flush: replaying it would run the failing code again.
+        """
         params = self._end_params(task_id, owner, status, result, serializer, error)
-        return self.write_prepared(self._attempt_statements["finish"], params,
+        statement = self._attempt_statements["succeed" if status == SUCCEEDED else "finish"]
+        return self.write_prepared(statement, params,
                                    f"recording the run as {status}", task_id).rowcount > 0
 
     def finish_freeing(self, task_id: str, owner: str, *, result: str | None,
@@ -422,7 +438,7 @@ class Store(WaitStatements, FlowStatements):
 
     @functools.cached_property
     def _finish_freeing(self) -> Prepared:
-        return self.prepare(self.freeing(self._run_end()))
+        return self.prepare(self.freeing(self._run_end(relaxed=True)))
 
     def update_arguments(self, task_id: str, owner: str, args: str | None,
                          fingerprint: str | None) -> bool:

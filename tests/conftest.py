@@ -363,9 +363,13 @@ class OutageServer:
         return False
 
     @contextmanager
-    def stopped(self) -> Iterator[None]:
-        """Stop the cluster for the duration of the block; always start it again."""
-        self._ctl("stop", "-m", "fast")
+    def stopped(self, mode: str = "fast") -> Iterator[None]:
+        """Stop the cluster for the duration of the block; always start it again.
+
+        ``mode="immediate"`` is a crash: the server exits without a checkpoint and
+        without flushing the WAL it has not flushed yet, and recovers on start.
+        """
+        self._ctl("stop", "-m", mode)
         try:
             yield
         finally:

@@ -165,4 +165,6 @@ def outage_steps(self: Any, n: int, steps: int = 5, seconds: float = 0.3) -> str
                 outcome = "ok"
             finally:
                 log_event("end", task_id, f"s{index}", outcome)
+        # Past the block: the step's record was written (or it was replayed from it).
+        log_event("recorded", task_id, f"s{index}")
     return str(s.result)
