@@ -61,20 +61,16 @@ class SweepResult:
     failed: list[str] = field(default_factory=list)
 
 
-#: How often (seconds) a sweep in this process also looks for waiting runs whose signal or
-#: child end arrived without waking them; the first sweep of each store always does.
-ARRIVALS_EVERY = 60.0
-# When a sweep in this process last looked for them, per store.
-_arrivals_checked: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+# The stores whose sweep in this process has looked at every waiting run once.
+_arrivals_checked: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def _arrivals_due(store: Any) -> bool:
-    """True when this sweep should also look for arrived signals and child ends."""
-    now = time.monotonic()
-    last = _arrivals_checked.get(store)
-    if last is not None and now - last < ARRIVALS_EVERY:
+    """True on the first sweep of ``store`` in this process: it also looks at every waiting
+    run for a signal stored without waking it (as versions before 14 could leave one)."""
+    if store in _arrivals_checked:
         return False
-    _arrivals_checked[store] = now
+    _arrivals_checked.add(store)
     return True
 
 

@@ -122,6 +122,7 @@ def build_tables(prefix: str) -> Tables:
     _pruned_index(runs)
     _v12_indexes(runs)
     _v13_indexes(runs, steps)
+    _v14_indexes(runs)
     slots, waits, rates, dedupe = flow_tables(prefix, metadata)
     return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps,
                   signals=signals, flow_slots=slots, flow_waits=waits, flow_rates=rates,
@@ -583,12 +584,28 @@ def _v14_run_columns() -> list[Column[object]]:
     return [Column("priority", SmallInteger, nullable=True)]
 
 
+def _v14_indexes(runs: Table) -> list[Index]:
+    """The runs that wait for a child, by the child they wait for (version 14).
+
+    The sweep looks on every pass for a parent whose child ended without waking it
+    (the waker died in between, or its wake raced with the parent's suspension):
+    through this index that costs what the waiting parents cost, not what the
+    runs table holds. The values are written out, as in version 12.
+    """
+    prefix = runs.name.removesuffix("runs")
+    waiting_child = and_(runs.c.status == "waiting", runs.c.wait_kind == "child")
+    return [Index(f"{prefix}runs_waiting_child", runs.c.waiting_for,
+                  postgresql_where=waiting_child, sqlite_where=waiting_child)]
+
+
 def _v14_flow_control(conn: Connection, tables: Tables) -> None:
     prefix = tables.runs.name.removesuffix("runs")
     for table in flow_tables(prefix, MetaData()):
         table.create(conn)
     for column in _v14_run_columns():
         _add_column(conn, tables.runs.name, column)
+    for index in _v14_indexes(tables.runs):
+        index.create(conn)
 
 
 # (version, description, apply). Append only.
@@ -609,7 +626,7 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
     (13, "live-run listing indexes by status and by task and status; patch marker index",
      _v13_operator_indexes),
     (14, "flow control: concurrency slots and their queues, rate windows, dedupe keys; "
-         "runs keep their priority",
+         "runs keep their priority; runs waiting for a child, by child",
      _v14_flow_control),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]

@@ -577,16 +577,19 @@ class Store(WaitStatements, FlowStatements):
         """Runs that need a delivery and will not get one by themselves.
 
         Running runs whose lease expired (their owner died, or their retry
-        never came); sleeping and waiting runs whose time is up; and, with
-        ``arrivals``, waiting runs whose signal or child arrived without
-        waking them (the sender died between storing the signal and sending
-        the run). Oldest expiry first; never a pruned run's tombstone.
+        never came, or a wake-up's message was lost); sleeping and waiting runs
+        whose time is up; waiting runs whose child ended without waking them
+        (whoever ended it died before waking the parent); and, with
+        ``arrivals``, every waiting run whose signal is stored. Oldest expiry
+        first; never a pruned run's tombstone.
 
         The due runs are read through the lease index, at most ``limit`` per
-        status, whatever the size of the table. The arrivals are not due by
-        time: finding them means looking at every waiting run (an index range
-        and a key lookup each), which is why the sweep asks for them only now
-        and then (:data:`celery_duraflow._recovery.ARRIVALS_EVERY`).
+        status, and the parents through the partial index of runs waiting for
+        a child, whatever the size of the table. A stored signal needs no look:
+        storing it wakes its run in the same transaction (see
+        :meth:`put_signal`). ``arrivals`` looks at every waiting run, for signals
+        an older version stored without waking their run; a sweep asks for it on
+        its first pass in a process only.
         """
         runs = self.tables.runs
         signals = self.tables.signals
@@ -599,20 +602,26 @@ class Store(WaitStatements, FlowStatements):
                                   runs.c.lease_expires_at <= now)
                .order_by(runs.c.lease_expires_at).limit(limit).subquery()
                for status in (RUNNING, SLEEPING, WAITING)]
-        # Waiting runs whose signal or child end arrived without waking them.
-        arrived = (
+        # Parents whose child ended without waking them: through the partial index of the
+        # runs waiting for a child (the query names its predicate's values).
+        parents = (
             select(runs)
-            .where(runs.c.pruned_at.is_(None), runs.c.status == WAITING, or_(
-                and_(runs.c.wait_kind == "signal",
-                     exists().where(signals.c.task_id == runs.c.task_id,
-                                    signals.c.name == runs.c.waiting_for)),
-                and_(runs.c.wait_kind == "child",
-                     exists().where(child.c.task_id == runs.c.waiting_for,
-                                    child.c.status.in_(FINISHED))),
-            ))
+            .where(runs.c.status == WAITING, runs.c.wait_kind == "child",
+                   runs.c.pruned_at.is_(None),
+                   exists().where(child.c.task_id == runs.c.waiting_for,
+                                  child.c.status.in_(FINISHED)))
             .order_by(runs.c.lease_expires_at).limit(limit).subquery()
         )
-        branches = (*due, arrived) if arrivals else due
+        # Waiting runs whose signal is stored: every waiting run is looked at.
+        signalled = (
+            select(runs)
+            .where(runs.c.pruned_at.is_(None), runs.c.status == WAITING,
+                   runs.c.wait_kind == "signal",
+                   exists().where(signals.c.task_id == runs.c.task_id,
+                                  signals.c.name == runs.c.waiting_for))
+            .order_by(runs.c.lease_expires_at).limit(limit).subquery()
+        )
+        branches = (*due, parents, signalled) if arrivals else (*due, parents)
         merged = union_all(*(select(branch) for branch in branches)).subquery("found")
         # A run both due and arrived comes once (UNION ALL keeps both copies).
         stmt = (select(merged).distinct()

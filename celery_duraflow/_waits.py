@@ -434,7 +434,8 @@ def send_signal(task_id: str, name: str, payload: Any = None, *, app: Any = None
             f"the payload of signal {name!r} for task {task_id} cannot be stored with the "
             f"{config.serializer!r} serializer ({error}): {describe(payload)}. Send plain data.",
             task_id=task_id, step_key=name) from error
-    stored = store.put_signal(task_id, name, data, config.serializer)
+    stored, woken = store.put_signal(task_id, name, data, config.serializer,
+                                     grace=config.lease_seconds)
     if signal_delivered.receivers:
         signal_delivered.send(sender=app, task_id=task_id, name=name, stored=stored)
     if not stored:
@@ -444,9 +445,6 @@ def send_signal(task_id: str, name: str, payload: Any = None, *, app: Any = None
         logger.info("signal %r for task %s arrived after the run ended (%s)", name, task_id,
                     run.status)
         return stored
-    # Also when this one was a duplicate: whoever stored the first may have died before
-    # waking the run.
-    woken = store.wake(task_id, kind="signal", waiting_for=name, grace=config.lease_seconds)
     if woken is not None:
         send_run(app, woken)
         logger.info("signal %r woke task %s", name, task_id)

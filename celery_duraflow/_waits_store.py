@@ -1,9 +1,12 @@
 """The statements of waits: suspending a run, waking it, signals and child runs.
 
 A wait is a step row in status ``waiting``; the run row says what it waits for
-(``wait_kind``, ``waiting_for``, ``wake_at``). Suspending, and the checks for a
-signal or a child's end that arrived meanwhile, are one statement, so nothing that
-arrives at that moment is lost.
+(``wait_kind``, ``waiting_for``, ``wake_at``). Suspending, and the check for a signal
+or a child's end that arrived meanwhile, happen under a lock on the run's row taken
+first; storing a signal wakes the run waiting for it in the same transaction, which
+locks the same row. So a signal that lands while the run suspends either is seen by
+the suspension or finds the run waiting, and a sender that dies after storing it
+leaves a run the sweep finds due (running, no owner, a short expiry).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from sqlalchemy import exists, select, update
+from sqlalchemy.engine import Connection
 
 from ._db import Database
 from ._records import (
@@ -37,15 +41,17 @@ class WaitStatements(Database):
 
         The sweep sends the run again at ``sweep_at`` (None: never by time).
         A signal wait is not suspended if its signal is already stored, nor a
-        child wait if the child already finished: the check is in the same
-        statement, so a signal or child end that lands at the same moment
-        either is seen here or finds the run waiting and wakes it. False means
-        the run was not suspended (that, or this owner lost the lease).
+        child wait if the child already finished (checked in the statement that
+        suspends). For a signal wait the run's row is locked first, as
+        :meth:`put_signal` locks it, so a signal stored at the same moment either
+        is seen here or finds the run waiting and wakes it; a child's end that
+        lands at that moment may miss the parent, which the sweep's next pass
+        finds (:meth:`recoverable_runs`). False means the run was not suspended
+        (that, or this owner lost the lease).
         """
         runs = self.tables.runs
         signals = self.tables.signals
         child = runs.alias("child")
-        now = utc_now()
         condition = [runs.c.task_id == task_id, runs.c.lease_owner == owner]
         if kind == "signal":
             condition.append(~exists().where(signals.c.task_id == task_id,
@@ -53,15 +59,32 @@ class WaitStatements(Database):
         elif kind == "child":
             condition.append(~exists().where(child.c.task_id == waiting_for,
                                              child.c.status.in_(FINISHED)))
-        stmt = (
-            update(runs)
-            .where(*condition)
-            .values(status=status, wait_kind=kind, waiting_for=waiting_for, wake_at=wake_at,
-                    lease_owner=None, lease_expires_at=sweep_at, updated_at=now,
-                    interrupted=False)
-        )
-        with self._write(f"recording that the run is {status}", task_id) as conn:
-            return bool(conn.execute(stmt).rowcount)
+        action = f"recording that the run is {status}"
+
+        def suspended(conn: Connection) -> bool:
+            return bool(conn.execute(
+                update(runs)
+                .where(*condition)
+                .values(status=status, wait_kind=kind, waiting_for=waiting_for,
+                        wake_at=wake_at, lease_owner=None, lease_expires_at=sweep_at,
+                        updated_at=utc_now(), interrupted=False)).rowcount)
+
+        if kind != "signal":
+            # A child's end that races with this is found by the sweep's next pass.
+            with self._write(action, task_id) as conn:
+                return suspended(conn)
+        with self.transaction(action, task_id) as conn:
+            # The row first: a signal being stored now holds it until it commits, and the
+            # check, a statement of its own, then sees that signal (see put_signal).
+            self._lock_run(conn, task_id)
+            return suspended(conn)
+
+    def _lock_run(self, conn: Connection, task_id: str) -> None:
+        """Lock the run's row until the transaction ends (SQLite's write lock does already)."""
+        if self.dialect == "postgresql":
+            runs = self.tables.runs
+            conn.execute(select(runs.c.task_id).where(runs.c.task_id == task_id)
+                         .with_for_update())
 
     def wake(self, task_id: str, *, kind: WaitKind, waiting_for: str,
              grace: float) -> RunRecord | None:
@@ -86,10 +109,19 @@ class WaitStatements(Database):
             row = conn.execute(stmt).first()
         return RunRecord.from_row(row) if row is not None else None
 
-    def put_signal(self, task_id: str, name: str, payload: str | None,
-                   serializer: str | None) -> bool:
-        """Store a signal unless one of that name is stored already; True if this one was."""
-        signals = self.tables.signals
+    def put_signal(self, task_id: str, name: str, payload: str | None, serializer: str | None,
+                   *, grace: float) -> tuple[bool, RunRecord | None]:
+        """Store a signal unless one of that name is stored already, and wake the run if it
+        waits for it, in one transaction: whether this one was stored, and the run woken
+        (for the caller to send), if any.
+
+        The woken run is running with no owner and an expiry ``grace`` seconds
+        away, as :meth:`wake` leaves it: if the caller dies before sending it, the
+        sweep sends it once that expiry passes. The run's row is locked first, as
+        :meth:`suspend` locks it, so a suspension at the same moment either sees
+        the signal or is seen here.
+        """
+        signals, runs = self.tables.signals, self.tables.runs
         stmt = (
             self._insert(signals)
             .values(task_id=task_id, name=name, payload=payload, serializer=serializer,
@@ -97,8 +129,19 @@ class WaitStatements(Database):
             .on_conflict_do_nothing(index_elements=[signals.c.task_id, signals.c.name])
             .returning(signals.c.task_id)
         )
-        with self._write("storing a signal", task_id, name) as conn:
-            return conn.execute(stmt).first() is not None
+        with self.transaction("storing a signal", task_id) as conn:
+            self._lock_run(conn, task_id)
+            stored = conn.execute(stmt).first() is not None
+            now = utc_now()
+            row = conn.execute(
+                update(runs)
+                .where(runs.c.task_id == task_id, runs.c.status == WAITING,
+                       runs.c.wait_kind == "signal", runs.c.waiting_for == name)
+                .values(status=RUNNING, lease_owner=None,
+                        lease_expires_at=now + timedelta(seconds=grace), updated_at=now,
+                        wait_kind=None, waiting_for=None, wake_at=None)
+                .returning(*runs.c)).first()
+        return stored, RunRecord.from_row(row) if row is not None else None
 
     def get_signal(self, task_id: str, name: str) -> SignalRecord | None:
         signals = self.tables.signals

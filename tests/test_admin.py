@@ -430,7 +430,7 @@ def _make_run(store: Store, status: str, *, steps: int = 1, task_id: str | None 
                                  serializer="json", started_at=datetime.now(UTC), new=True,
                                  position=n + 1)
     if signal:
-        assert store.put_signal(task_id, "approval", "true", "json")
+        assert store.put_signal(task_id, "approval", "true", "json", grace=5.0)[0]
     if status in ("waiting", "sleeping"):
         assert store.suspend(task_id, OWNER, status=status, kind="signal",
                              waiting_for="never", wake_at=None, sweep_at=None)

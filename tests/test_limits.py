@@ -484,7 +484,7 @@ def test_postgres_data_error_shows_no_parameters(pg_app: Celery,
     with caplog.at_level(logging.DEBUG):
         # Through SQLAlchemy: its errors would list the statement's parameters.
         with pytest.raises(Exception) as caught:
-            store.put_signal(task_id, too_long, f'"{MARKER}-payload"', "json")
+            store.put_signal(task_id, too_long, f'"{MARKER}-payload"', "json", grace=5.0)
         errors.append(caught.value)
         with pytest.raises(Exception) as caught:
             store.begin_attempt("t" * 300 + MARKER, Delivery(task_name="raw", owner=owner))

@@ -53,14 +53,16 @@ def _rows(engine: Engine, store: Store) -> dict[str, list[tuple[Any, ...]]]:
 
 
 def test_the_indexes_of_a_new_database(make_app: Callable[..., Celery]) -> None:
-    """A new database has version 13's run indexes, the listing ones partial on live runs."""
+    """A new database has version 13's run indexes, the listing ones partial on live runs,
+    and version 14's index of the runs waiting for a child."""
     store = _store(make_app())
     store.ensure_schema()
     prefix = store.config.table_prefix
     runs = {name.removeprefix(prefix): sql for name, sql in
             _index_definitions(store.engine, store.tables.runs.name).items()
             if name.startswith(prefix)}
-    assert set(runs) - {"runs_pkey"} == RUN_INDEXES
+    assert set(runs) - {"runs_pkey"} == RUN_INDEXES | {"runs_waiting_child"}
+    assert "'waiting'" in runs["runs_waiting_child"] and "'child'" in runs["runs_waiting_child"]
     for listing in ("runs_status_created", "runs_task_status_created"):
         assert "pruned_at is null" in runs[listing]
     assert "task_name, status, created_at" in runs["runs_task_status_created"]

@@ -1,50 +1,187 @@
-"""The sweep reads due runs on every pass, and looks for arrived signals now and then.
+"""A signal or a child's end that reaches a waiting run is never left without a wake-up,
+and the sweep finds it without reading every waiting run.
 
-A pass used to read every waiting run to see whether its signal or child end had
-arrived without waking it, so its cost grew with the number of waiting runs. Now a
-pass reads only due runs (through the lease index), and a sweep looks for such
-arrivals on its first pass in a process and then at most every ``ARRIVALS_EVERY``
-seconds: the run is still found, a little later at worst. On SQLite and PostgreSQL.
+Storing a signal wakes the run waiting for it in the same transaction: the run is then
+running with no owner and a short expiry, so if the sender dies before sending it, the
+sweep's pass over due runs (through the lease index) sends it. A suspension and a
+signal that race both lock the run's row first, so one always sees the other. A
+parent whose child ended without waking it is found on every pass through a partial
+index of the runs that wait for a child. The full look at every waiting run is left to
+a sweep's first pass in a process, for what an older version stored. On SQLite and
+PostgreSQL, the race on PostgreSQL.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from celery import Celery
+from sqlalchemy import create_engine, event, insert, select, text
 
 from celery_duraflow import _recovery
 from celery_duraflow._config import config_for_app
+from celery_duraflow._records import utc_now
 from celery_duraflow._store import Delivery, Store, store_for
 
 OWNER = "sweep-test-host|x|1|abc"
+LEASE = 1.0
 
 
-def _waiting_with_its_signal(store: Store) -> str:
-    """A run waiting for signal 'go', whose signal is stored but never woke it."""
+def _store(make_app: Callable[..., Celery]) -> Store:
+    return store_for(config_for_app(make_app(duraflow_lease_seconds=LEASE)))
+
+
+def _waiting_for(store: Store, kind: str, waiting_for: str) -> str:
+    """A run that took its first attempt and now waits for ``waiting_for``."""
     task_id = str(uuid.uuid4())
     store.begin_attempt(task_id, Delivery(task_name="shop.trip", owner=OWNER))
-    assert store.suspend(task_id, OWNER, status="waiting", kind="signal", waiting_for="go",
-                         wake_at=None, sweep_at=None)
-    assert store.put_signal(task_id, "go", "true", "json")
+    assert store.suspend(task_id, OWNER, status="waiting", kind=kind,  # type: ignore[arg-type]
+                         waiting_for=waiting_for, wake_at=None, sweep_at=None)
     return task_id
 
 
-def test_a_pass_without_arrivals_reads_only_due_runs(make_app: Callable[..., Celery]) -> None:
-    """The arrived signal is found when arrivals are asked for, and not by a plain pass."""
-    store = store_for(config_for_app(make_app()))
-    task_id = _waiting_with_its_signal(store)
+def _due(store: Store) -> list[str]:
+    """The runs a plain pass of the sweep (no full look at waiting runs) finds."""
+    return [run.task_id for run in store.recoverable_runs(10, arrivals=False)]
+
+
+def test_storing_a_signal_wakes_its_waiting_run_in_the_same_write(
+        make_app: Callable[..., Celery]) -> None:
+    """A sender that dies right after storing the signal leaves the run to a plain pass."""
+    store = _store(make_app)
+    task_id = _waiting_for(store, "signal", "go")
+    stored, woken = store.put_signal(task_id, "go", "true", "json", grace=LEASE)
+    assert stored and woken is not None and woken.task_id == task_id
+    run = store.get_run(task_id)
+    assert run is not None and run.status == "running" and run.lease_owner is None
+    time.sleep(LEASE + 0.1)  # the message the sender never sent: due once the expiry passes
+    assert _due(store) == [task_id]
+    # The same signal again wakes nothing more, and stores nothing.
+    assert store.put_signal(task_id, "go", "false", "json", grace=LEASE) == (False, None)
+
+
+def test_a_signal_for_another_name_or_an_ended_run_wakes_nothing(
+        make_app: Callable[..., Celery]) -> None:
+    """Only the run waiting for that very signal is woken; the signal is stored all the same."""
+    store = _store(make_app)
+    task_id = _waiting_for(store, "signal", "go")
+    assert store.put_signal(task_id, "other", "1", "json", grace=LEASE) == (True, None)
+    run = store.get_run(task_id)
+    assert run is not None and run.status == "waiting"
+    ended = str(uuid.uuid4())
+    store.begin_attempt(ended, Delivery(task_name="shop.trip", owner=OWNER))
+    assert store.finish_run(ended, OWNER, "succeeded", result="1", serializer="json")
+    assert store.put_signal(ended, "go", "1", "json", grace=LEASE) == (True, None)
+    run = store.get_run(ended)
+    assert run is not None and run.status == "succeeded"
+
+
+def test_a_child_end_that_never_woke_its_parent_is_found_by_every_pass(
+        make_app: Callable[..., Celery]) -> None:
+    """A child that ended while its waker died leaves its parent to the next plain pass."""
+    store = _store(make_app)
+    parent = str(uuid.uuid4())
+    child = f"{parent}/child"
+    store.begin_attempt(parent, Delivery(task_name="shop.trip", owner=OWNER))
+    assert store.create_child_run(child, task_name="shop.leg", parent_id=parent, args="[]",
+                                  exchange=None, routing_key=None)
+    assert store.suspend(parent, OWNER, status="waiting", kind="child", waiting_for=child,
+                         wake_at=None, sweep_at=None)
+    child_owner = OWNER + "-child"
+    store.begin_attempt(child, Delivery(task_name="shop.leg", owner=child_owner))
+    assert store.finish_run(child, child_owner, "succeeded", result="1", serializer="json")
+    assert _due(store) == [parent]
+
+
+def test_the_first_pass_in_a_process_finds_what_an_older_version_left_waiting(
+        make_app: Callable[..., Celery]) -> None:
+    """A signal stored without waking its run (as before this version) is found by the full
+    look that a sweep's first pass in a process takes, not by a plain pass."""
+    store = _store(make_app)
+    task_id = _waiting_for(store, "signal", "go")
+    signals = store.tables.signals
+    with store.engine.begin() as conn:
+        conn.execute(insert(signals).values(task_id=task_id, name="go", payload="true",
+                                            serializer="json", sent_at=utc_now()))
+    assert _due(store) == []
     assert [run.task_id for run in store.recoverable_runs(10, arrivals=True)] == [task_id]
-    assert store.recoverable_runs(10, arrivals=False) == []
 
 
-def test_a_sweep_looks_for_arrivals_first_and_then_every_interval(
-        make_app: Callable[..., Celery], monkeypatch: pytest.MonkeyPatch) -> None:
-    """A store's first sweep looks for arrivals, the next ones only once the interval passed."""
-    store = store_for(config_for_app(make_app()))
+def test_a_sweep_takes_the_full_look_on_its_first_pass_only(
+        make_app: Callable[..., Celery]) -> None:
+    """A store's first sweep in a process looks at every waiting run; later ones do not."""
+    store = _store(make_app)
     assert _recovery._arrivals_due(store)
     assert not _recovery._arrivals_due(store)
-    monkeypatch.setattr(_recovery, "ARRIVALS_EVERY", 0.0)
-    assert _recovery._arrivals_due(store)
+    assert not _recovery._arrivals_due(store)
+
+
+@pytest.mark.postgres
+@pytest.mark.pooled
+@pytest.mark.parametrize("database_url", ["postgres", "pgbouncer"], indirect=True)
+@pytest.mark.parametrize("first", ["suspension", "signal", "during"])
+def test_a_signal_racing_the_suspension_always_wakes_the_run(
+        make_app: Callable[..., Celery], database_url: str, pg_url: str, first: str) -> None:
+    """The worst orders, forced with a lock held on the run's row (and, for ``during``, the
+    suspension held between its write and its commit): the suspension reads before the
+    signal is stored and commits after the sender looked; the run is still woken."""
+    store = _store(make_app)
+    task_id = str(uuid.uuid4())
+    store.begin_attempt(task_id, Delivery(task_name="shop.trip", owner=OWNER))
+    runs = store.tables.runs.name
+    holder = create_engine(pg_url).connect()
+    outcomes: dict[str, Any] = {}
+
+    def hold_the_suspension(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if (first == "during" and threading.current_thread() is suspending
+                and statement.startswith(f"UPDATE {runs}") and "wait_kind" in statement):
+            time.sleep(0.6)  # written, not committed: the signal is sent meanwhile
+
+    event.listen(store.engine, "after_cursor_execute", hold_the_suspension)
+    try:
+        holder.execute(text(f'SELECT 1 FROM "{runs}" WHERE task_id = :t FOR UPDATE'),
+                       {"t": task_id})
+
+        def suspend() -> None:
+            outcomes["suspended"] = store.suspend(
+                task_id, OWNER, status="waiting", kind="signal", waiting_for="go",
+                wake_at=None, sweep_at=None)
+
+        def signal() -> None:
+            outcomes["signal"] = store.put_signal(task_id, "go", "true", "json", grace=LEASE)
+
+        suspending = threading.Thread(target=suspend)
+        signalling = threading.Thread(target=signal)
+        # Each waits for the row in turn, in this order, and goes on in it once it is free.
+        if first == "during":
+            holder.rollback()
+            suspending.start()
+            time.sleep(0.3)
+            signalling.start()
+        else:
+            for thread in ((suspending, signalling) if first == "suspension"
+                           else (signalling, suspending)):
+                thread.start()
+                time.sleep(0.3)
+            holder.rollback()
+        suspending.join(10)
+        signalling.join(10)
+    finally:
+        event.remove(store.engine, "after_cursor_execute", hold_the_suspension)
+        holder.close()
+    stored, woken = outcomes["signal"]
+    assert stored
+    run = store.get_run(task_id)
+    assert run is not None
+    # Either the suspension saw the signal and did not happen, or the signal woke the run.
+    if outcomes["suspended"]:
+        assert woken is not None and run.status == "running"
+    else:
+        assert woken is None and run.status == "running" and run.lease_owner == OWNER
+    with store.engine.connect() as conn:
+        assert conn.execute(select(store.tables.signals.c.name)).scalars().all() == ["go"]
