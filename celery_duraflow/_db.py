@@ -158,9 +158,11 @@ class Prepared:
     statement: Any
     sql: str = ""
     defaults: dict[str, Any] | None = None
-    #: For a write whose only answer is how many rows it wrote (a step's record, a run's
-    #: end): its name as a server-side prepared statement, its text with ``$n``
-    #: placeholders, and the parameter names in their order (see Database.write_prepared).
+    #: For a write run straight on libpq (a step's record, a run's end): its name as a
+    #: server-side prepared statement, its text with ``$n`` placeholders, and the
+    #: parameter names in their order (see Database.write_prepared). Rows it returns come
+    #: back as text; through a transaction pooler the same statement runs on psycopg's
+    #: cursor, and they come back typed: a caller converts with int(), float() or str().
     raw_name: bytes = b""
     raw_sql: bytes = b""
     raw_names: tuple[str, ...] = ()
@@ -793,7 +795,8 @@ class Database:
                         raw_params=tuple((name, defaults.get(name)) for name in names))
 
     def _write_raw(self, prepared: Prepared, params: dict[str, Any]) -> Executed:
-        """Run a write that answers only with a row count straight on libpq.
+        """Run a write straight on libpq: its row count, and the rows it returns, each value
+        as PostgreSQL's text (str) or None.
 
         The statement is prepared on the held connection once, then each
         execution is one ``PQexecPrepared`` with the parameters as text: about
@@ -824,7 +827,14 @@ class Database:
             _check(pgconn, pgconn.prepare(prepared.raw_name, prepared.raw_sql))
             result = pgconn.exec_prepared(prepared.raw_name, args)
         result = _check(pgconn, result)
-        return Executed((), (), int(result.command_tuples or 0))
+        if not result.nfields:
+            return Executed((), (), int(result.command_tuples or 0))
+        value = result.get_value
+        rows = [tuple(None if (raw := value(row, column)) is None else raw.decode()
+                      for column in range(result.nfields))
+                for row in range(result.ntuples)]
+        names = tuple(result.fname(i).decode() for i in range(result.nfields))
+        return Executed(names, rows, int(result.command_tuples or 0))
 
     def execute(self, conn: Connection, prepared: Prepared,
                 params: dict[str, Any]) -> Executed:

@@ -30,6 +30,7 @@ Everything is decided in the store, before the task's body runs:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -235,7 +236,10 @@ def check_declaration(name: str, run: Any, limits: object, dedupe: object,
             _check_parameter(what, run, spec)
 
 
+@functools.lru_cache(maxsize=512)
 def _parameters(run: Any) -> inspect.Signature | None:
+    """The signature of a task's ``run`` (read once: each attempt of a keyed limit binds
+    its arguments to it)."""
     try:
         return inspect.signature(run)
     except (TypeError, ValueError):

@@ -328,8 +328,8 @@ class FlowStatements(Database):
                 ORDER BY (n + :start) % (:top + 1) LIMIT 1
                 ON CONFLICT DO NOTHING
                 RETURNING slot, queued_at)
-            SELECT slot, queued_at FROM adopt
-            UNION ALL SELECT slot, queued_at FROM inserted
+            SELECT slot, EXTRACT(EPOCH FROM (:now - queued_at)) AS waited FROM adopt
+            UNION ALL SELECT slot, NULL FROM inserted
         """).bindparams(bindparam("scope", type_=slots.c.scope.type),
                         bindparam("key", type_=slots.c.key.type),
                         bindparam("task_id", type_=slots.c.task_id.type),
@@ -353,7 +353,7 @@ class FlowStatements(Database):
                           WHERE w.scope = f.scope AND w.key = f.key)
         """).bindparams(bindparam("task_id", type_=slots.c.task_id.type),
                         bindparam("owner", type_=slots.c.owner.type))
-        return {"acquire": self.prepare(acquire), "release": self.prepare(release)}
+        return {"acquire": self.prepare(acquire, raw=True), "release": self.prepare(release)}
 
     def freeing(self, run_end: Any) -> Any:
         """``run_end`` (an UPDATE of the run's row, parameters ``p_task_id`` and ``p_owner``),
@@ -400,9 +400,9 @@ class FlowStatements(Database):
             "taking a concurrency slot", task_id).rows
         if not rows:
             return None
-        queued_at = as_utc(rows[0][1])
-        waited = (now - queued_at).total_seconds() if queued_at is not None else 0.0
-        return SlotAnswer("granted", 0, 0, [], max(0.0, waited))
+        waited = rows[0][1]  # text on libpq's path, a Decimal on psycopg's
+        return SlotAnswer("granted", 0, 0, [],
+                          max(0.0, float(waited)) if waited is not None else 0.0)
 
     def _acquire_slot(self, task_id: str, owner: str, *, scope: str, key: str, limit: int,
                       grace: float, sweep_after: float | None) -> SlotAnswer:

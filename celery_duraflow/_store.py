@@ -433,12 +433,13 @@ class Store(WaitStatements, FlowStatements):
         params = self._end_params(task_id, owner, SUCCEEDED, result, serializer, None)
         rows = self.write_prepared(self._finish_freeing, params,
                                    f"recording the run as {SUCCEEDED}", task_id).rows
-        finished = any(scope is None and count for count, scope, _ in rows)
+        # Text on libpq's path, typed on psycopg's (through a pooler): int() reads both.
+        finished = any(scope is None and int(count) for count, scope, _ in rows)
         return finished, {(scope, key) for _, scope, key in rows if scope is not None}
 
     @functools.cached_property
     def _finish_freeing(self) -> Prepared:
-        return self.prepare(self.freeing(self._run_end(relaxed=True)))
+        return self.prepare(self.freeing(self._run_end(relaxed=True)), raw=True)
 
     def update_arguments(self, task_id: str, owner: str, args: str | None,
                          fingerprint: str | None) -> bool:
