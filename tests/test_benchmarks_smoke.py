@@ -28,6 +28,7 @@ SECTIONS = (
     "## Large tables",
     "## Flow control",
     "### What the limit adds to an attempt",
+    "## Scaling the fleet",
     "## Per-attempt profile",
     "## Targets",
 )
@@ -50,6 +51,7 @@ TARGET_TITLES = (
     "4 processes (Redis)",
     "flow: throughput with Concurrency(2, key) not binding / no limit, 3 trivial steps, "
     "4 processes (RabbitMQ)",
+    "fleet: durable / hand-written throughput at 1, 2, 4 and 8 prefork processes (worst)",
 )
 
 
