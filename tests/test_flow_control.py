@@ -197,7 +197,7 @@ def test_a_failed_or_retried_attempt_frees_its_slot_at_once(
 def test_a_dead_holders_slot_is_free_once_its_lease_expires(
         make_app: Callable[..., Celery]) -> None:
     """A slot whose attempt died is handed to the queue by the sweep once the lease expires."""
-    app = _worker_app(make_app, duraflow_lease_seconds=1.0)
+    app = _worker_app(make_app)
     ledger = Ledger()
 
     @app.task(base=DurableTask, duraflow_limits=[Concurrency(1, key="k")])
@@ -219,7 +219,12 @@ def test_a_dead_holders_slot_is_free_once_its_lease_expires(
     with run_worker(app, pool="threads", concurrency=2):
         waiting = work.delay("x", 1)
         wait_for_status(app, waiting.id, "waiting")
-        time.sleep(1.2)  # the dead attempt's lease expires
+        # The dead attempt's lease (5 s, long enough for a slow start of the worker to find
+        # the slot held) runs out now.
+        runs = store.tables.runs
+        with store.engine.begin() as conn:
+            conn.execute(runs.update().where(runs.c.task_id == "dead-holder").values(
+                lease_expires_at=store_now() - timedelta(seconds=1)))
         recover(app)
         assert waiting.get(timeout=RESULT_TIMEOUT) == 1
 
@@ -612,3 +617,4 @@ def test_a_run_that_succeeds_frees_its_slot_in_the_write_that_records_its_end(
     assert counts[limited.name] == counts[unlimited.name] + 1, counts
     with store.engine.connect() as conn:
         assert conn.execute(select(store.tables.flow_slots)).all() == []
+
