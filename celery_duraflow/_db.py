@@ -690,7 +690,8 @@ class Database:
             yield conn
 
     @contextmanager
-    def transaction(self, action: str, task_id: str | None = None) -> Iterator[Connection]:
+    def transaction(self, action: str, task_id: str | None = None,
+                    step_key: str | None = None) -> Iterator[Connection]:
         """A connection in one transaction, committed when the block ends, rolled back if
         it raises; connection errors are mapped as by :meth:`reading`.
 
@@ -698,8 +699,9 @@ class Database:
         autocommit), so that rows selected ``FOR UPDATE`` stay locked until the
         end of the block.
         """
-        self.ensure_schema(task_id)
-        with self._unavailable(action, task_id), self._transactional().begin() as conn:
+        self.ensure_schema(task_id, step_key)
+        with (self._unavailable(action, task_id, step_key),
+              self._transactional().begin() as conn):
             yield conn
 
     def atomic(self, task_id: str, step_key: str) -> _atomic.AtomicTransaction:

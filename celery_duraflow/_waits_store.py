@@ -1,12 +1,13 @@
 """The statements of waits: suspending a run, waking it, signals and child runs.
 
 A wait is a step row in status ``waiting``; the run row says what it waits for
-(``wait_kind``, ``waiting_for``, ``wake_at``). Suspending, and the check for a signal
-or a child's end that arrived meanwhile, happen under a lock on the run's row taken
-first; storing a signal wakes the run waiting for it in the same transaction, which
-locks the same row. So a signal that lands while the run suspends either is seen by
-the suspension or finds the run waiting, and a sender that dies after storing it
-leaves a run the sweep finds due (running, no owner, a short expiry).
+(``wait_kind``, ``waiting_for``, ``wake_at``). Suspending checks, in the statement
+that suspends, for a signal or a child's end that arrived meanwhile. A signal wait
+locks the run's row first, and storing a signal locks the same row and wakes the run
+waiting for it in the same transaction: a signal that lands while the run suspends
+either is seen by the suspension or finds the run waiting, and a sender that dies
+after storing it leaves a run the sweep finds due (running, no owner, a short
+expiry). A child's end that misses its suspending parent is found by the sweep.
 """
 
 from __future__ import annotations
@@ -94,19 +95,21 @@ class WaitStatements(Database):
         running with no owner and a short expiry, so if the message is lost
         the sweep sends it again.
         """
+        with self._write("waking the run", task_id) as conn:
+            return self._wake(conn, task_id, kind, waiting_for, grace)
+
+    def _wake(self, conn: Connection, task_id: str, kind: WaitKind, waiting_for: str,
+              grace: float) -> RunRecord | None:
         runs = self.tables.runs
         now = utc_now()
-        stmt = (
+        row = conn.execute(
             update(runs)
             .where(runs.c.task_id == task_id, runs.c.status == WAITING,
                    runs.c.wait_kind == kind, runs.c.waiting_for == waiting_for)
             .values(status=RUNNING, lease_owner=None,
                     lease_expires_at=now + timedelta(seconds=grace), updated_at=now,
                     wait_kind=None, waiting_for=None, wake_at=None)
-            .returning(*runs.c)
-        )
-        with self._write("waking the run", task_id) as conn:
-            row = conn.execute(stmt).first()
+            .returning(*runs.c)).first()
         return RunRecord.from_row(row) if row is not None else None
 
     def put_signal(self, task_id: str, name: str, payload: str | None, serializer: str | None,
@@ -121,7 +124,7 @@ class WaitStatements(Database):
         :meth:`suspend` locks it, so a suspension at the same moment either sees
         the signal or is seen here.
         """
-        signals, runs = self.tables.signals, self.tables.runs
+        signals = self.tables.signals
         stmt = (
             self._insert(signals)
             .values(task_id=task_id, name=name, payload=payload, serializer=serializer,
@@ -129,19 +132,10 @@ class WaitStatements(Database):
             .on_conflict_do_nothing(index_elements=[signals.c.task_id, signals.c.name])
             .returning(signals.c.task_id)
         )
-        with self.transaction("storing a signal", task_id) as conn:
+        with self.transaction("storing a signal", task_id, name) as conn:
             self._lock_run(conn, task_id)
             stored = conn.execute(stmt).first() is not None
-            now = utc_now()
-            row = conn.execute(
-                update(runs)
-                .where(runs.c.task_id == task_id, runs.c.status == WAITING,
-                       runs.c.wait_kind == "signal", runs.c.waiting_for == name)
-                .values(status=RUNNING, lease_owner=None,
-                        lease_expires_at=now + timedelta(seconds=grace), updated_at=now,
-                        wait_kind=None, waiting_for=None, wake_at=None)
-                .returning(*runs.c)).first()
-        return stored, RunRecord.from_row(row) if row is not None else None
+            return stored, self._wake(conn, task_id, "signal", name, grace)
 
     def get_signal(self, task_id: str, name: str) -> SignalRecord | None:
         signals = self.tables.signals

@@ -146,3 +146,21 @@ def test_schema_newer_than_the_code_is_refused(
     assert isinstance(again.result, StoreMisconfigured), again.result
     assert f"version {LATEST_VERSION + 1}" in str(again.result)
     assert counted["charge"] == 1
+
+
+@pytest.mark.postgres
+def test_a_signal_that_cannot_be_stored_names_the_run_and_the_signal(pg_url: str) -> None:
+    """Storing a signal while the server is unreachable raises StoreUnavailable naming the
+    task id and the signal, as every step's record names its step."""
+    from celery_duraflow._config import config_for_app
+    from celery_duraflow._store import store_for
+
+    app = app_factory(_pg_with(pg_url, port="1"), f"t{uuid.uuid4().hex[:8]}_")()
+    store = store_for(config_for_app(app))
+    try:
+        with pytest.raises(StoreUnavailable) as caught:
+            store.put_signal("order-7", "approval", "true", "json", grace=5.0)
+    finally:
+        close_all_stores()
+    assert caught.value.task_id == "order-7" and caught.value.step_key == "approval"
+    assert "order-7" in str(caught.value) and "approval" in str(caught.value)
