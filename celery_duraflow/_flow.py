@@ -332,16 +332,43 @@ def _label(limit: Limit, task: Any) -> str:
 # -- in an attempt ----------------------------------------------------------------------------
 
 
-def enter(ctx: RunContext, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def single_slot(task: Any, args: Sequence[Any], kwargs: dict[str, Any],
+                task_id: str) -> tuple[str, str, int] | None:
+    """For a task whose only limit is one :class:`Concurrency`: the scope, key and limit
+    a new run may take its slot under as it starts (``Store.begin_holding``).
+
+    None for any other task, and where the key cannot be computed: :func:`enter`
+    then fails the run before its body, as for every limited task.
+    """
+    limits: Sequence[Limit] = getattr(task, "duraflow_limits", ()) or ()
+    if len(limits) != 1 or not isinstance(limits[0], Concurrency):
+        return None
+    limit = limits[0]
+    try:
+        key = key_of(limit.key, task, args, kwargs, task_id=task_id, what=_label(limit, task))
+    except FlowKeyError:
+        return None
+    return _scope(limit, task), key, limit.limit
+
+
+def enter(ctx: RunContext, task: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+          taken: tuple[str, str] | None = None) -> None:
     """Take what the task's limits ask for before its body runs, or suspend the run.
 
     Every key is computed first, so a key that cannot be computed fails the run
     before anything is taken. Concurrency slots are taken in one order (scope,
     then key) on every worker, so two runs never each hold what the other waits
-    for; a run that must wait holds nothing while it waits.
+    for; a run that must wait holds nothing while it waits. ``taken`` is the
+    slot (scope and key) of a task's only limit, already taken as the run
+    started.
     """
     limits: Sequence[Limit] = getattr(task, "duraflow_limits", ()) or ()
     if not limits or ctx.unwinding is not None or ctx.dry:
+        return
+    if taken is not None:
+        if slot_taken.receivers:
+            slot_taken.send(sender=task, task_id=ctx.task_id, scope=taken[0], key=taken[1],
+                            waited=0.0)
         return
     keyed = [(limit, _scope(limit, task), key_of(limit.key, task, args, kwargs,
                                                  task_id=ctx.task_id,
@@ -419,9 +446,11 @@ def holds_slots(task: Any) -> bool:
 @dataclass
 class Freed:
     """An attempt's concurrency slots: ``queued`` is None until they are freed, then the
-    keys they were freed from that have runs queued for them."""
+    keys they were freed from that have runs queued for them. ``taken`` is the slot
+    (scope and key) taken as the run started, if it was."""
 
     queued: set[tuple[str, str]] | None = None
+    taken: tuple[str, str] | None = None
 
 
 def leave(task: Any, store: Store, run_key: str, owner: str, grace: float,

@@ -355,6 +355,46 @@ class FlowStatements(Database):
                         bindparam("owner", type_=slots.c.owner.type))
         return {"acquire": self.prepare(acquire, raw=True), "release": self.prepare(release)}
 
+    def slot_with_start(self, started: Any) -> Any:
+        """The slot insert of :meth:`_acquire_fast`, as a CTE that only inserts where the
+        CTE ``started`` (a new run's insert) returned a row; its rows are the slot taken.
+
+        A run that did not exist a moment ago has no slot handed to it and is in
+        no queue, so taking over a handed slot does not arise: a free number is
+        taken while nobody waits for the key, or nothing is, and the caller takes
+        the usual path. Parameters ``p_scope``, ``p_key``, ``p_task_id``,
+        ``p_lease_owner``, ``p_updated_at``, ``p_top`` and ``p_start`` (as
+        :meth:`_acquire_fast` computes them).
+        """
+        slots, waits = self.tables.flow_slots, self.tables.flow_waits
+        scope = bindparam("p_scope", type_=slots.c.scope.type)
+        key = bindparam("p_key", type_=slots.c.key.type)
+        top = bindparam("p_top", type_=Integer())
+        number = func.generate_series(0, top).column_valued("n")
+        held = slots.alias("held")
+        pick = (select(scope, key, number,
+                       bindparam("p_task_id", type_=slots.c.task_id.type),
+                       bindparam("p_lease_owner", type_=slots.c.owner.type),
+                       bindparam("p_updated_at", type_=DateTime(timezone=True)))
+                .where(exists(select(literal_column("1")).select_from(started)),
+                       ~exists().where(held.c.scope == scope, held.c.key == key,
+                                       held.c.slot == number),
+                       ~exists().where(waits.c.scope == scope, waits.c.key == key))
+                .order_by((number + bindparam("p_start", type_=Integer())) % (top + 1))
+                .limit(1))
+        taken = (self._insert(slots)
+                 .from_select(["scope", "key", "slot", "task_id", "owner", "granted_at"], pick)
+                 .on_conflict_do_nothing(index_elements=[slots.c.scope, slots.c.key,
+                                                         slots.c.slot]))
+        return taken.returning(slots.c.slot).cte("slot_taken")
+
+    @staticmethod
+    def slot_start(task_id: str, limit: int) -> int:
+        """Where an attempt starts looking for a free slot number: its own point, so that
+        attempts racing for one key's slots seldom pick the same number (the loser of a
+        pick takes the locked path)."""
+        return zlib.crc32(task_id.encode("utf-8", "surrogatepass")) % limit
+
     def freeing(self, run_end: Any) -> Any:
         """``run_end`` (an UPDATE of the run's row, parameters ``p_task_id`` and ``p_owner``),
         with the deletion of the slot rows that owner took, as one statement.
@@ -391,12 +431,8 @@ class FlowStatements(Database):
         now = utc_now()
         rows = self.write_prepared(
             self._flow_statements["acquire"],
-            # Each attempt tries the free numbers from a point of its own, so that attempts
-            # racing for one key's slots seldom pick the same number (the loser of a pick
-            # takes the locked path).
             {"scope": scope, "key": key, "task_id": task_id, "owner": owner, "now": now,
-             "top": limit - 1,
-             "start": zlib.crc32(task_id.encode("utf-8", "surrogatepass")) % limit},
+             "top": limit - 1, "start": self.slot_start(task_id, limit)},
             "taking a concurrency slot", task_id).rows
         if not rows:
             return None

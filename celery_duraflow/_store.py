@@ -148,19 +148,51 @@ class Store(WaitStatements, FlowStatements):
         statement follow, one round trip later; the library marks the messages
         it sends for recorded runs, which are not first deliveries.
         """
+        params = self._attempt_params(task_id, delivery)
+        if (self.modifying_ctes and delivery.first and self.write_prepared(
+                self._attempt_statements["first"], params, "starting an attempt",
+                task_id).rowcount):
+            return self._new_run(task_id, delivery, params), {}
+        return self._begin(task_id, delivery, params)
+
+    def begin_holding(self, task_id: str, delivery: Delivery, *, scope: str, key: str,
+                      limit: int) -> tuple[RunRecord, dict[str, StepRecord] | None, bool]:
+        """:meth:`begin_attempt` for a task with one concurrency limit, and whether the
+        attempt holds a slot of ``scope``/``key`` already.
+
+        On PostgreSQL a first delivery's insert of the run's row takes a free
+        slot in the same statement, where one is free and nobody waits for the
+        key: a limit that does not bind costs a limited run no write, no round
+        trip and no commit of its own. Otherwise (no slot free, runs queued, a
+        row already there, SQLite) nothing is taken here, and the slot is asked
+        for as usual (:meth:`acquire_slot`) before the body runs.
+        """
+        if not (self.modifying_ctes and delivery.first):
+            return *self.begin_attempt(task_id, delivery), False
+        params = self._attempt_params(task_id, delivery)
+        params.update(p_scope=scope, p_key=key, p_top=limit - 1,
+                      p_start=self.slot_start(task_id, limit))
+        started, slot = self.write_prepared(self._attempt_statements["first_slot"], params,
+                                            "starting an attempt", task_id).rows[0]
+        if started is not None and int(started):
+            return self._new_run(task_id, delivery, params), {}, slot is not None
+        return *self._begin(task_id, delivery, params), False
+
+    def _attempt_params(self, task_id: str, delivery: Delivery) -> dict[str, Any]:
         now = utc_now()
-        params = {"p_task_id": task_id, "p_task_name": delivery.task_name,
-                  "p_lease_owner": delivery.owner, "p_updated_at": now,
-                  "p_lease_expires_at": now + timedelta(seconds=self.config.lease_seconds),
-                  "p_args": delivery.args, "p_args_fingerprint": delivery.args_fingerprint,
-                  "p_exchange": delivery.exchange, "p_routing_key": delivery.routing_key,
-                  "p_code_fingerprint": delivery.code_fingerprint,
-                  "p_retries": delivery.retries, "p_priority": delivery.priority}
+        return {"p_task_id": task_id, "p_task_name": delivery.task_name,
+                "p_lease_owner": delivery.owner, "p_updated_at": now,
+                "p_lease_expires_at": now + timedelta(seconds=self.config.lease_seconds),
+                "p_args": delivery.args, "p_args_fingerprint": delivery.args_fingerprint,
+                "p_exchange": delivery.exchange, "p_routing_key": delivery.routing_key,
+                "p_code_fingerprint": delivery.code_fingerprint,
+                "p_retries": delivery.retries, "p_priority": delivery.priority}
+
+    def _begin(self, task_id: str, delivery: Delivery, params: dict[str, Any]
+               ) -> tuple[RunRecord, dict[str, StepRecord] | None]:
+        """The general start of an attempt: see :meth:`begin_attempt`."""
         statements = self._attempt_statements
         if self.modifying_ctes:
-            if delivery.first and self.write_prepared(
-                    statements["first"], params, "starting an attempt", task_id).rowcount:
-                return self._new_run(task_id, delivery, params), {}
             names, rows, _ = self.write_prepared(statements["begin"], params,
                                                  "starting an attempt", task_id)
         else:
@@ -311,6 +343,13 @@ class Store(WaitStatements, FlowStatements):
         # held connection's leanest path, like a step's record.
         statements["first"] = self.prepare(
             insert_.on_conflict_do_nothing(index_elements=[runs.c.task_id]), raw=True)
+        # The same, with a concurrency slot taken for the new run (begin_holding).
+        started = (insert_.on_conflict_do_nothing(index_elements=[runs.c.task_id])
+                   .returning(literal_column("1").label("one")).cte("started"))
+        slot = self.slot_with_start(started)
+        statements["first_slot"] = self.prepare(select(
+            select(func.count()).select_from(started).scalar_subquery().label("started"),
+            select(slot.c.slot).scalar_subquery().label("slot")), raw=True)
         return statements
 
     def _lease_taken(self, new: Callable[[str], Any]) -> dict[str, Any]:

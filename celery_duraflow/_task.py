@@ -285,9 +285,19 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                  else new_owner())
         delivery = self._delivery(owner, args, kwargs, serializer, config.serializer)
         # Every statement of this attempt goes to one connection, kept until it ends.
+        # A task with one concurrency limit takes its slot as a new run starts, where
+        # one is free: a limit that does not bind costs no statement of its own.
+        slot = _flow.single_slot(self, args, kwargs, run_key) if delivery.first else None
+        held_slot = None
         with store.held_connection():
             try:
-                run, recorded = store.begin_attempt(run_key, delivery)
+                if slot is None:
+                    run, recorded = store.begin_attempt(run_key, delivery)
+                else:
+                    scope, key, limit = slot
+                    run, recorded, holding = store.begin_holding(
+                        run_key, delivery, scope=scope, key=key, limit=limit)
+                    held_slot = (scope, key) if holding else None
                 if (run.lease_owner != owner and run.replaced_by is not None
                         and run_key == task_id and nesting >= _level_of(run.replaced_by)):
                     # A replacement (Task.replace gave it the replaced task's id): its run
@@ -305,7 +315,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                 run, recorded = taken, None
 
             keeper().hold(store, run_key, owner)
-            freed = _flow.Freed() if _flow.holds_slots(self) else None
+            freed = _flow.Freed(taken=held_slot) if _flow.holds_slots(self) else None
             if attempt_started.receivers:
                 attempt_started.send(sender=self, task_id=run_key, attempt=run.attempts)
             ended: BaseException | None = None
@@ -342,7 +352,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                          level=level)
         token = current_run.set(ctx)
         try:
-            _flow.enter(ctx, self, args, kwargs)
+            _flow.enter(ctx, self, args, kwargs, freed.taken if freed is not None else None)
             result = self._run_body(args, kwargs)
         except Suspended as suspended:
             # The run sleeps or waits; the wait recorded that and released the lease.
