@@ -395,7 +395,9 @@ def in_process(database_url: str, prefix: str, *, steps: int, rounds: int, runs:
                "round trips (none)", "calls (limit)", "wall ms (limit)",
                "server wait ms (limit)", "round trips (limit)"], split_rows),
         "",
-        f"The {len(added)} statements the limit adds to an attempt, in order:",
+        f"The {len(added)} statements of a limited attempt that an unlimited one does not "
+        "run as they are (added, or a statement of its own in place of the unlimited "
+        "one's), in order:",
         "",
         table(["#", "statement"], [[i + 1, _clip(text, 110)] for i, text in enumerate(added)]),
     ]

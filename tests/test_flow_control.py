@@ -531,7 +531,9 @@ def test_bad_debounces_are_refused_when_declared(make: Callable[[], Any], proble
 @pytest.mark.pooled
 def test_attempts_racing_for_one_keys_slots_never_exceed_the_limit(
         make_app: Callable[..., Celery]) -> None:
-    """8 threads taking and freeing one key's 2 slots for 2 s: never 3 holders, no error."""
+    """8 threads taking and freeing one key's 2 slots for 2 s, half of them as their runs
+    start, the others after: never 3 holders, no error."""
+    from celery_duraflow._flow_store import SlotAnswer
     from celery_duraflow._store import Delivery
 
     app = make_app()
@@ -547,10 +549,16 @@ def test_attempts_racing_for_one_keys_slots_never_exceed_the_limit(
         try:
             while time.monotonic() < deadline:
                 task_id, owner = f"race-{n}-{uuid.uuid4().hex[:6]}", f"owner-{n}"
-                store.begin_attempt(task_id, Delivery(task_name="race", owner=owner,
-                                                      first=True))
-                answer = store.acquire_slot(task_id, owner, scope="race", key="hot", limit=2,
-                                            grace=5.0, sweep_after=None)
+                delivery = Delivery(task_name="race", owner=owner, first=True)
+                if n % 2:  # half the threads take the slot in the run's own insert
+                    _, _, holding_now = store.begin_holding(task_id, delivery, scope="race",
+                                                            key="hot", limit=2)
+                else:
+                    store.begin_attempt(task_id, delivery)
+                    holding_now = False
+                answer = (SlotAnswer("granted", 0, 0, []) if holding_now else
+                          store.acquire_slot(task_id, owner, scope="race", key="hot", limit=2,
+                                             grace=5.0, sweep_after=None))
                 tries = 0
                 while answer.state == "waiting" and time.monotonic() < deadline + 5:
                     # Delivered again (as when woken, or sent again by the sweep).
@@ -580,6 +588,44 @@ def test_attempts_racing_for_one_keys_slots_never_exceed_the_limit(
         thread.join()
     assert errors == []
     assert most[0] <= 2 and taken[0] > 10
+
+
+@pytest.mark.pooled
+def test_a_new_run_never_takes_a_freed_slot_ahead_of_a_queued_run(
+        make_app: Callable[..., Celery]) -> None:
+    """A slot freed while a run is queued goes to that run, even to a new run that starts
+    between the freeing and the hand-over and finds the slot's number free."""
+    from celery_duraflow._store import Delivery
+
+    app = make_app()
+    store = store_for(config_for_app(app))
+
+    def start(task_id: str) -> tuple[str, bool]:
+        owner = f"owner-{task_id}"
+        _, _, holding = store.begin_holding(
+            task_id, Delivery(task_name="order", owner=owner, first=True),
+            scope="order", key="k", limit=1)
+        return owner, holding
+
+    first, holds = start("first")
+    assert holds or store.acquire_slot("first", first, scope="order", key="k", limit=1,
+                                       grace=5.0, sweep_after=None).state == "granted"
+    second, holds = start("second")
+    assert not holds
+    assert store.acquire_slot("second", second, scope="order", key="k", limit=1, grace=5.0,
+                              sweep_after=None).state == "waiting"
+    finished, queued = store.finish_freeing("first", first, result=None, serializer=None)
+    assert finished and queued == {("order", "k")}
+    # Between the freeing and the hand-over: slot 0 has no row, and "second" waits.
+    third, holds = start("third")
+    assert not holds
+    assert store.acquire_slot("third", third, scope="order", key="k", limit=1, grace=5.0,
+                              sweep_after=None).state == "waiting"
+    store.settle_keys(queued, grace=5.0, task_id="first")
+    statuses = {name: store.get_run(name).status  # type: ignore[union-attr]
+                for name in ("second", "third")}
+    assert statuses == {"second": "running", "third": "waiting"}
+    assert [place.position for place in store.queued("third")] == [1]
 
 
 @pytest.mark.postgres
