@@ -360,3 +360,71 @@ def test_retry_delivered_before_its_predecessor_let_go_still_runs(
         releaser.join()
     assert result.get() == 7
     assert calls == {"book": 1}
+
+
+def _resend_after_outage(app: Celery, task: Any, task_id: str, owner: str) -> Any:
+    """Deliver ``task_id`` through a worker as the library re-sends it after a store outage:
+    with the outage header naming ``owner`` as the attempt that could not let go."""
+    from celery.signals import task_postrun
+
+    from celery_duraflow._task import OUTAGE_HEADER
+
+    ended = threading.Event()
+
+    def on_postrun(task_id: str | None = None, **_: Any) -> None:
+        if task_id == sent:
+            ended.set()
+
+    sent = task_id
+    task_postrun.connect(on_postrun, weak=False)
+    try:
+        with run_worker(app, pool="solo"):
+            result = task.apply_async(
+                args=(1,), task_id=task_id,
+                headers={OUTAGE_HEADER: {"since": time.time(), "resends": 1, "retries": 0,
+                                         "owner": owner}})
+            assert ended.wait(20), "the worker never ended the delivery"
+    finally:
+        task_postrun.disconnect(on_postrun)
+    return result
+
+
+def test_the_attempt_the_store_failed_under_takes_its_own_run_back_at_once(
+        make_app: Callable[..., Celery]) -> None:
+    """After an outage, the re-send of the attempt that still holds the lease resumes the
+    run now, not a lease later, and the step it was in is in doubt."""
+    app = make_app(eager=False)
+    calls: Counter[str] = Counter()
+    task = _three_step_task(app, calls)
+    owner = "another-host|another-machine|4242|abc"  # alive as far as this machine knows
+    task_id = _interrupted_run(
+        app, task, (1,), owner=owner, lease_expires_at=datetime.now(UTC) + timedelta(hours=1),
+        steps={"search": "completed", "book": "running"})
+    _resend_after_outage(app, task, task_id, owner)
+    run = get_run(task_id, app=app)
+    assert run is not None and run.status == "succeeded"
+    assert calls == {"book": 1, "notify": 1}  # search was kept; book ran again
+    assert run.step("book").attempts == 2
+
+
+def test_an_outage_resend_naming_another_owner_is_fenced(
+        make_app: Callable[..., Celery]) -> None:
+    """An outage re-send whose header names an attempt that does not hold the lease (one
+    taken over since, or any other) runs nothing and leaves the live holder its run."""
+    app = make_app(eager=False)
+    calls: Counter[str] = Counter()
+    task = _three_step_task(app, calls)
+    holder = "another-host|another-machine|4242|abc"
+    task_id = _interrupted_run(
+        app, task, (1,), owner=holder, lease_expires_at=datetime.now(UTC) + timedelta(hours=1),
+        steps={"search": "completed", "book": "running"})
+    _resend_after_outage(app, task, task_id, "stale-host|other-machine|99|old")
+    run = get_run(task_id, app=app)
+    assert run is not None
+    assert (run.status, run.attempts) == ("running", 1)
+    assert calls == {}
+    store = _store(app)
+    with store.engine.connect() as conn:
+        runs = store.tables.runs
+        assert conn.execute(select(runs.c.lease_owner).where(
+            runs.c.task_id == task_id)).scalar_one() == holder
