@@ -9,8 +9,9 @@ from typing import Any
 
 from celery.signals import worker_process_init, worker_ready
 
-from ._config import config_for_app
-from ._store import all_stores
+from ._config import Config, config_for_app
+from ._replication import read_replication, replication_warning
+from ._store import all_stores, store_for
 from .errors import ConfigurationError
 
 logger = logging.getLogger("celery_duraflow.worker")
@@ -49,6 +50,8 @@ def _announce_store(sender: Any = None, **_kwargs: Any) -> None:
         where = url.render_as_string(hide_password=True)
     logger.info("celery-duraflow: runs are stored in %s (tables %s*)", where,
                 config.table_prefix)
+    if url.get_backend_name() == "postgresql":
+        _check_replication(config)
     broker = str(app.conf.broker_url or "").partition("://")[0].split("+")[0]
     if url.get_backend_name() == "sqlite" and broker not in _LOCAL_BROKERS:
         logger.warning(
@@ -56,6 +59,19 @@ def _announce_store(sender: Any = None, **_kwargs: Any) -> None:
             "that other hosts may share: the runs are durable on this host only, and a worker "
             "elsewhere would keep a store of its own. Set duraflow_database_url to one "
             "PostgreSQL database for every worker.", where, broker)
+
+
+def _check_replication(config: Config) -> None:
+    """Warn if the store's server streams to a standby a failover could lose steps to."""
+    try:
+        with store_for(config).engine.connect() as conn:
+            warning = replication_warning(read_replication(conn))
+    except Exception as exc:  # a store that is down now is reported at the first task
+        logger.info("celery-duraflow could not read the store's replication settings: %s",
+                    exc)
+        return
+    if warning is not None:
+        logger.warning("celery-duraflow: %s", warning)
 
 
 def install_signal_handlers() -> None:
