@@ -181,7 +181,9 @@ class LeaseKeeper:
             with self._lock:
                 for lease in leases:
                     if lease not in kept and (store, lease[0]) in self._held:
-                        logger.warning("task %s lost its lease to another owner", lease[0])
+                        # The attempt says so (LeaseLost, logged once) when it stops.
+                        logger.info("task %s: its lease is held by another owner now; the "
+                                    "attempt stops at its next write", lease[0])
                         self._lost.add(lease)
                     elif kept.get(lease) == "cancel":
                         self._unwinding.add(lease)

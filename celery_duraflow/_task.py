@@ -610,6 +610,17 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                            "is ignored and runs no step", task_id, self.name, run.status,
                            run.pruned_at.isoformat())
             raise Ignore()
+        outage = self.request.get(OUTAGE_HEADER)
+        stale = outage.get("owner") if isinstance(outage, dict) else None
+        if isinstance(stale, str) and stale != run.lease_owner:
+            # Sent again by an attempt the store failed under, which could not let go of
+            # the lease: the run was taken from it since (its lease ran out). Its writes
+            # after that were refused; this is where that attempt's story ends.
+            logger.warning("task %s: %s", task_id, LeaseLost(
+                f"task {task_id} lost its lease while its attempt {stale} could not reach "
+                f"the store: another attempt took the run over (it is {run.status} now), so "
+                "this re-send of the old attempt runs nothing. Nothing needs to be done.",
+                task_id=task_id))
         if run.status == SUCCEEDED:
             logger.info("task %s (%s) already succeeded; returning its recorded result",
                         task_id, self.name)
@@ -620,7 +631,6 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                 logger.warning("task %s: its previous owner %s is gone; taking the run over",
                                task_id, run.lease_owner)
                 return taken
-        outage = self.request.get(OUTAGE_HEADER)
         if (isinstance(outage, dict) and run.lease_owner is not None
                 and outage.get("owner") == run.lease_owner):
             # Sent by the attempt that holds the lease, after the store failed under it and
@@ -818,6 +828,18 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
     def _hand_over(self, ctx: RunContext, config: Config, exc: StoreUnavailable) -> NoReturn:
         """End an attempt the store failed in: let go of the run (left interrupted if a
         body ran unrecorded) and send the task again later, none of its retries spent."""
+        if keeper().lost(ctx.task_id, ctx.owner):
+            # The lease ran out while the store could not be reached and another attempt
+            # has the run: sending it again would only be turned away.
+            lost = LeaseLost(
+                f"task {ctx.task_id} lost its lease while the store could not be reached: "
+                "another attempt took the run over, so this attempt ends without sending it "
+                "again" + ("; the step whose body ran unrecorded is in doubt for the new owner"
+                           if ctx.unrecorded else "")
+                + ". The run goes on under its new owner; nothing needs to be done.",
+                task_id=ctx.task_id, step_key=exc.step_key)
+            logger.warning("task %s: %s", ctx.task_id, lost)
+            raise Ignore() from exc
         logger.warning("task %s (%s): the store failed during the attempt%s; handing the run "
                        "over", ctx.task_id, self.name,
                        "; a step body ran unrecorded and will be in doubt"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import threading
@@ -408,9 +409,10 @@ def test_the_attempt_the_store_failed_under_takes_its_own_run_back_at_once(
 
 
 def test_an_outage_resend_naming_another_owner_is_fenced(
-        make_app: Callable[..., Celery]) -> None:
+        make_app: Callable[..., Celery], caplog: pytest.LogCaptureFixture) -> None:
     """An outage re-send whose header names an attempt that does not hold the lease (one
-    taken over since, or any other) runs nothing and leaves the live holder its run."""
+    taken over since, or any other) runs nothing, leaves the live holder its run, and says
+    once that the old attempt lost its lease."""
     app = make_app(eager=False)
     calls: Counter[str] = Counter()
     task = _three_step_task(app, calls)
@@ -418,7 +420,10 @@ def test_an_outage_resend_naming_another_owner_is_fenced(
     task_id = _interrupted_run(
         app, task, (1,), owner=holder, lease_expires_at=datetime.now(UTC) + timedelta(hours=1),
         steps={"search": "completed", "book": "running"})
-    _resend_after_outage(app, task, task_id, "stale-host|other-machine|99|old")
+    with caplog.at_level(logging.WARNING, logger="celery_duraflow"):
+        _resend_after_outage(app, task, task_id, "stale-host|other-machine|99|old")
+    lost = [r.getMessage() for r in caplog.records if "lost its lease" in r.getMessage()]
+    assert len(lost) == 1 and "stale-host|other-machine|99|old" in lost[0]
     run = get_run(task_id, app=app)
     assert run is not None
     assert (run.status, run.attempts) == ("running", 1)

@@ -1,0 +1,402 @@
+"""Production faults on real worker processes: a database that refuses connections, a
+database whose disk is full, a worker cut off from the database past its lease.
+
+Each scenario runs two prefork workers on Redis against a private PostgreSQL cluster of
+the test's own (never the shared server), sends durable runs of several steps whose
+bodies log to a file outside the database, brings the fault in while they run, takes it
+away, and prints a ledger: runs sent and finished, step bodies run again (and whether
+each was flagged in doubt), steps recorded, Celery retries spent, and what was lost.
+The refused connections run with the test suite; the full disk and the partition (both
+need root) run with ``make chaos``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.conftest import REQUIRE_SERVICES, Broker, OutageServer
+from tests.test_chaos import (
+    REPO_ROOT,
+    Cluster,
+    check_executions,
+    cluster,
+    read_events,
+    wait_for_runs,
+)
+from tests.test_outage_in_doubt import LONG_LEASE, RUNS, STEPS, send_runs, two_workers
+
+pytestmark = [pytest.mark.postgres, pytest.mark.chaos]
+
+
+def ledger(c: Cluster, task_ids: list[str], scenario: str, *, timeout: float = 150,
+           expect_in_doubt: bool = True) -> None:
+    """Print the scenario's ledger and check it: every run succeeded, every step recorded
+    once, every body that ran again flagged in doubt, no Celery retry spent."""
+    statuses = wait_for_runs(c, len(task_ids), timeout=timeout)
+    executions, deliveries = read_events(c)
+    ran_again = {key: runs for key, runs in executions.items() if len(runs) > 1}
+    unflagged = sorted(f"{task} {name}" for (task, name), runs in ran_again.items()
+                       if not all(run.in_doubt for run in sorted(runs, key=lambda r: r.start)[1:]))
+    recorded = int(str(c.sql(f'SELECT count(*) FROM "{c.prefix}steps" '
+                             "WHERE status = 'completed'")[0][0]))
+    retries = int(str(c.sql(f'SELECT count(*) FROM "{c.prefix}runs" WHERE retries <> 0')[0][0]))
+    spent = sorted({(task, r) for task, r in deliveries if r != 0})
+    lost = RUNS * STEPS - recorded
+    print(f"\nledger {scenario}: runs sent={len(task_ids)} "
+          f"finished={statuses.get('succeeded', 0)} deliveries={len(deliveries)} "
+          f"step bodies run={sum(len(r) for r in executions.values())} "
+          f"run again={len(ran_again)} (unflagged {len(unflagged)}) "
+          f"steps recorded={recorded} lost={lost} retries spent={len(spent)}")
+    assert statuses.get("succeeded") == len(task_ids), f"{statuses}\n{c.log_tail()}"
+    assert recorded == len(task_ids) * STEPS and lost == 0
+    assert unflagged == [], unflagged[:20]
+    assert spent == [] and retries == 0
+    if expect_in_doubt:
+        assert ran_again, "the fault hit no running body: the test missed its window"
+
+
+# -- a server that refuses connections --------------------------------------------------------
+
+@contextlib.contextmanager
+def every_connection_taken(server: OutageServer) -> Iterator[int]:
+    """Hold every connection the server allows, end every other session (the workers'),
+    and keep taking the slots they free, until the block ends; yields how many are held."""
+    dsn = server.url.replace("postgresql+psycopg://", "postgresql://")
+    hogs: list[psycopg.Connection[Any]] = []
+
+    def fill() -> None:
+        while True:
+            try:
+                hogs.append(psycopg.connect(dsn, autocommit=True))
+            except psycopg.OperationalError as exc:
+                assert "too many clients" in str(exc) or "reserved" in str(exc), exc
+                return
+
+    try:
+        fill()
+        assert hogs, "no connection could be taken at all"
+        mine = [conn.info.backend_pid for conn in hogs]
+        hogs[0].execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE backend_type = 'client backend' AND NOT (pid = ANY(%s))",
+                        (mine,))
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:  # the slots of the ended sessions, as they free
+            fill()
+            time.sleep(0.05)
+        yield len(hogs)
+    finally:
+        for conn in hogs:
+            with contextlib.suppress(Exception):
+                conn.close()
+
+
+def test_a_server_out_of_connections_spends_no_retry_and_loses_nothing(
+        outage_pg: OutageServer, redis_url: str, tmp_path: Path) -> None:
+    """max_connections reached and the workers' sessions ended, for 4 s, under running
+    steps: the workers back off and come back, no retry is spent, nothing is lost, and each
+    body that runs again is flagged in doubt."""
+    broker = Broker("redis", redis_url, redis_url)
+    with cluster(outage_pg.url, broker, tmp_path, lease_seconds=LONG_LEASE) as c, \
+            two_workers(c):
+        task_ids = send_runs(c, broker)
+        time.sleep(2.0)
+        with every_connection_taken(outage_pg) as held:
+            time.sleep(4.0)
+        refused = sum(log.read_text(errors="replace").count("too many clients")
+                      for log in c.logs.glob("worker*.log"))
+        print(f"\n{held} connections held; the workers were refused {refused} times")
+        ledger(c, task_ids, "connections refused")
+        assert refused >= 1, c.log_tail()
+
+
+# -- a full disk -----------------------------------------------------------------------------
+
+FULL_CLUSTER, FULL_PORT = "dfdiskfull", 5444
+
+
+@pytest.fixture
+def small_disk_pg() -> Iterator[tuple[OutageServer, Path]]:
+    """A private cluster whose data directory is a 192 MB tmpfs (dropped after the test);
+    yields the server and a file path on that tmpfs to fill it with."""
+    if os.geteuid() != 0 or shutil.which("pg_createcluster") is None:
+        reason = "needs root (to mount a tmpfs) and Debian's postgresql-common"
+        if REQUIRE_SERVICES:
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    version = sorted(os.listdir("/etc/postgresql"))[-1]
+    mount = Path(f"/run/{FULL_CLUSTER}")
+
+    def drop() -> None:
+        subprocess.run(["pg_dropcluster", "--stop", version, FULL_CLUSTER],
+                       check=False, capture_output=True)
+        subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+
+    drop()
+    mount.mkdir(exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192m,mode=0755", "tmpfs", str(mount)],
+                   check=True)
+    shutil.chown(mount, "postgres", "postgres")
+    server = FullDiskServer(
+        version=version, url=f"postgresql+psycopg://postgres@127.0.0.1:{FULL_PORT}/postgres",
+        pgbouncer_url="")
+    try:
+        subprocess.run(["pg_createcluster", version, FULL_CLUSTER, "-p", str(FULL_PORT),
+                        "-d", str(mount / "data"), "--", "--auth=trust"],
+                       check=True, capture_output=True)
+        with open(f"/etc/postgresql/{version}/{FULL_CLUSTER}/postgresql.conf", "a") as conf:
+            conf.write("min_wal_size = 32MB\nmax_wal_size = 64MB\nshared_buffers = 16MB\n")
+        server._ctl("start")
+        assert server.ready(60), "the small-disk cluster did not start"
+        yield server, mount / "filler"
+    finally:
+        drop()
+
+
+class FullDiskServer(OutageServer):
+    """The small-disk cluster, driven like the outage cluster."""
+
+    def _ctl(self, action: str, *options: str, check: bool = True) -> None:
+        subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", self.version,
+                        FULL_CLUSTER, action, *options], check=check, capture_output=True)
+
+    def ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", str(FULL_PORT)],
+                              check=False).returncode == 0:
+                return True
+            time.sleep(0.2)
+        return False
+
+
+def fill(path: Path) -> int:
+    """Write zeros to ``path`` until the file system is full; the bytes written."""
+    written = 0
+    block = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as out:
+        while True:
+            try:
+                written += out.write(block)
+            except OSError:
+                break
+        with contextlib.suppress(OSError):
+            out.write(b"\0" * 4096)  # the last partial block
+    return written
+
+
+@pytest.mark.long
+def test_a_full_disk_records_nothing_half_and_every_run_finishes_once_space_returns(
+        small_disk_pg: tuple[OutageServer, Path], redis_url: str, tmp_path: Path) -> None:
+    """The data directory's disk filled for 5 s under running steps (the server may stop,
+    as PostgreSQL does when it cannot write its WAL): writes fail, nothing is recorded half,
+    and once the space is back (and the server started, if it stopped) every run finishes,
+    no retry spent, each body that ran again flagged in doubt."""
+    server, filler = small_disk_pg
+    broker = Broker("redis", redis_url, redis_url)
+    with cluster(server.url, broker, tmp_path, lease_seconds=LONG_LEASE) as c, \
+            two_workers(c):
+        task_ids = send_runs(c, broker)
+        time.sleep(2.0)
+        written = fill(filler)
+        try:
+            time.sleep(5.0)
+        finally:
+            filler.unlink()
+        stopped = not server.ready(1)
+        if stopped:
+            server._ctl("start", check=False)
+            assert server.ready(60), "the server did not start once the disk had room"
+        full = sum(log.read_text(errors="replace").count("No space left on device")
+                   for log in c.logs.glob("worker*.log"))
+        print(f"\n{written >> 20} MB filled the disk; the server "
+              f"{'stopped' if stopped else 'kept running'}; the workers saw 'No space left' "
+              f"{full} times")
+        ledger(c, task_ids, "disk full", expect_in_doubt=False)
+        assert full >= 1 or stopped, c.log_tail()
+
+
+# -- a worker cut off from the database ------------------------------------------------------
+
+NETNS, HOST_IF, NS_IF = "dfpart", "dfpart0", "dfpart1"
+HOST_IP, NS_IP = "10.231.0.1", "10.231.0.2"
+PART_CLUSTER, PART_PORT, PART_REDIS_PORT = "dfpartition", 5445, 6391
+
+
+def _sh(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(command, check=check, capture_output=True, text=True)
+
+
+@dataclass
+class Partitioned:
+    """A network namespace (a second host) joined to this one by a veth pair, with a
+    private PostgreSQL cluster and a private Redis listening on both sides."""
+
+    version: str
+    redis_pidfile: Path
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{PART_PORT}/postgres"
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{PART_REDIS_PORT}/0"
+
+    def cut(self) -> None:
+        """Drop every packet the namespace sends, silently: the host is cut off. (A token
+        bucket whose burst is smaller than any packet drops them all; it needs no qdisc
+        module beyond tbf, which every kernel here has.)"""
+        _sh("ip", "netns", "exec", NETNS, "tc", "qdisc", "add", "dev", NS_IF, "root",
+            "tbf", "rate", "1kbit", "burst", "1", "latency", "1ms")
+
+    def heal(self) -> None:
+        _sh("ip", "netns", "exec", NETNS, "tc", "qdisc", "del", "dev", NS_IF, "root",
+            check=False)
+
+
+def _drop_partition(version: str, redis_pidfile: Path) -> None:
+    _sh("pg_dropcluster", "--stop", version, PART_CLUSTER, check=False)
+    with contextlib.suppress(FileNotFoundError, ProcessLookupError, ValueError):
+        os.kill(int(redis_pidfile.read_text().strip()), 15)
+    _sh("ip", "link", "del", HOST_IF, check=False)
+    _sh("ip", "netns", "del", NETNS, check=False)
+
+
+@pytest.fixture
+def partitioned(tmp_path: Path) -> Iterator[Partitioned]:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        reason = "needs root, iproute2's ip and tc (network namespaces)"
+        if REQUIRE_SERVICES:
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    version = sorted(os.listdir("/etc/postgresql"))[-1]
+    pidfile = tmp_path / "redis.pid"
+    _drop_partition(version, pidfile)
+    try:
+        _sh("ip", "netns", "add", NETNS)
+        _sh("ip", "link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF)
+        _sh("ip", "link", "set", NS_IF, "netns", NETNS)
+        _sh("ip", "addr", "add", f"{HOST_IP}/24", "dev", HOST_IF)
+        _sh("ip", "link", "set", HOST_IF, "up")
+        _sh("ip", "netns", "exec", NETNS, "ip", "addr", "add", f"{NS_IP}/24", "dev", NS_IF)
+        _sh("ip", "netns", "exec", NETNS, "ip", "link", "set", NS_IF, "up")
+        _sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up")
+        _sh("pg_createcluster", version, PART_CLUSTER, "-p", str(PART_PORT), "--",
+            "--auth=trust")
+        with open(f"/etc/postgresql/{version}/{PART_CLUSTER}/postgresql.conf", "a") as conf:
+            conf.write(f"listen_addresses = '127.0.0.1,{HOST_IP}'\n")
+        with open(f"/etc/postgresql/{version}/{PART_CLUSTER}/pg_hba.conf", "a") as hba:
+            hba.write(f"host all all {NS_IP}/32 trust\n")
+        _sh("pg_ctlcluster", "--skip-systemctl-redirect", version, PART_CLUSTER, "start")
+        _sh("redis-server", "--daemonize", "yes", "--bind", "127.0.0.1", HOST_IP,
+            "--port", str(PART_REDIS_PORT), "--save", "", "--appendonly", "no",
+            "--protected-mode", "no",
+            "--pidfile", str(pidfile), "--logfile", str(tmp_path / "redis.log"))
+        deadline = time.monotonic() + 30
+        while _sh("pg_isready", "-q", "-h", "127.0.0.1", "-p", str(PART_PORT),
+                  check=False).returncode != 0:
+            assert time.monotonic() < deadline, "the partition's cluster did not start"
+            time.sleep(0.2)
+    except (subprocess.CalledProcessError, AssertionError, OSError) as exc:
+        _drop_partition(version, pidfile)
+        detail = getattr(exc, "stderr", "") or str(exc)
+        pytest.fail(f"the partition could not be built: {detail.strip()}", pytrace=False)
+    part = Partitioned(version=version, redis_pidfile=pidfile)
+    try:
+        yield part
+    finally:
+        part.heal()
+        _drop_partition(version, pidfile)
+
+
+@pytest.mark.long
+def test_a_worker_cut_off_past_its_lease_is_fenced_when_it_comes_back(
+        partitioned: Partitioned, tmp_path: Path) -> None:
+    """A worker on another host (a network namespace) cut off while running two runs, for
+    five leases: a worker here takes the runs over and finishes them; when the first comes
+    back its late records are refused, it logs LeaseLost once per run, and no body ran while
+    another execution of it was running or again after it was recorded."""
+    broker = Broker("redis", partitioned.redis_url, partitioned.redis_url)
+    lease = 3.0
+    with cluster(partitioned.url, broker, tmp_path, lease_seconds=lease) as c:
+        remote_env = {**c.env,
+                      "PROJ_DATABASE_URL": f"postgresql+psycopg://postgres@{HOST_IP}:"
+                                           f"{PART_PORT}/postgres",
+                      "PROJ_BROKER_URL": f"redis://{HOST_IP}:{PART_REDIS_PORT}/0",
+                      "PROJ_RESULT_BACKEND": f"redis://{HOST_IP}:{PART_REDIS_PORT}/0"}
+        log = open(c.logs / "worker-remote.log", "ab")  # noqa: SIM115
+        remote = subprocess.Popen(
+            ["ip", "netns", "exec", NETNS, sys.executable, "-m", "celery", "-A", "tests.proj",
+             "worker", "--pool", "prefork", "--concurrency", "2", "--prefetch-multiplier", "1",
+             "-O", "fair", "--loglevel", "INFO", "-Q", c.queue, "-n", "remote@%h",
+             "--without-heartbeat", "--without-gossip", "--without-mingle"],
+            cwd=REPO_ROOT, env=remote_env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        c.workers.append(remote)
+        c.wait_ready(1)
+        from tests.test_chaos import client_app
+
+        app = client_app(c, broker)
+        task_ids = [str(uuid.uuid4()) for _ in range(2)]
+        for n, task_id in enumerate(task_ids):
+            app.send_task("proj.outage_steps", args=(n,), kwargs={"steps": 5, "seconds": 1.0},
+                          task_id=task_id, queue=c.queue)
+        deadline = time.monotonic() + 30
+        while len({line.split()[3] for line in _events(c) if line.split()[2] == "start"}) < 2:
+            assert time.monotonic() < deadline, c.log_tail()
+            time.sleep(0.1)
+        time.sleep(1.5)
+        remote_pids = set(_sh("ip", "netns", "pids", NETNS).stdout.split())
+        cut_at = time.time()
+        partitioned.cut()
+        try:
+            c.start_with_sweeper()  # two workers here, and the sweep every second
+            statuses = wait_for_runs(c, len(task_ids), timeout=5 * lease + 30)
+            assert statuses.get("succeeded") == len(task_ids), f"{statuses}\n{c.log_tail()}"
+            time.sleep(max(0.0, cut_at + 5 * lease - time.time()))
+        finally:
+            partitioned.heal()
+        healed_at = time.time()
+        deadline = time.monotonic() + 90
+        lost: list[str] = []
+        while time.monotonic() < deadline:
+            lost = [line for log in c.logs.glob("worker*.log")
+                    for line in log.read_text(errors="replace").splitlines()
+                    if "lost its lease" in line]
+            if len(lost) >= len(task_ids):
+                break
+            time.sleep(0.5)
+        time.sleep(2.0)  # anything the stale worker would still do, it has done
+        executions, _ = read_events(c)
+        problems, duplicates, in_doubt = check_executions(c, executions)
+        late_records = [line for line in _events(c) if line.split()[2] == "recorded"
+                        and line.split()[1] in remote_pids and float(line.split()[0]) > cut_at]
+        late_starts = [line for line in _events(c) if line.split()[2] == "start"
+                       and line.split()[1] in remote_pids and float(line.split()[0]) > cut_at]
+        print(f"\nledger partition: runs sent=2 finished={statuses.get('succeeded', 0)} "
+              f"cut {healed_at - cut_at:.1f}s (lease {lease:.0f}s); bodies run again "
+              f"in doubt={in_doubt}; stale holder: records after the cut="
+              f"{len(late_records)}, bodies started after the cut={len(late_starts)}, "
+              f"LeaseLost logged={len(lost)}; problems={len(problems)}")
+        assert problems == [] and duplicates == 0, "\n".join(problems)
+        assert late_records == [] and late_starts == []
+        assert in_doubt >= 1
+        per_run = {task_id: sum(task_id in line for line in lost) for task_id in task_ids}
+        assert per_run == {task_id: 1 for task_id in task_ids}, (per_run, c.log_tail())
+
+
+def _events(c: Cluster) -> list[str]:
+    return c.event_log.read_text().splitlines() if c.event_log.exists() else []
