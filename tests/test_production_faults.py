@@ -17,9 +17,10 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -400,3 +401,179 @@ def test_a_worker_cut_off_past_its_lease_is_fenced_when_it_comes_back(
 
 def _events(c: Cluster) -> list[str]:
     return c.event_log.read_text().splitlines() if c.event_log.exists() else []
+
+
+# -- a failover (pg_auto_failover) -----------------------------------------------------------
+
+MONITOR_PORT, NODE_PORTS = 6100, (6101, 6102)
+PG_AUTOCTL = "pg_autoctl"
+
+
+@dataclass
+class Formation:
+    """A pg_auto_failover monitor, a primary and a synchronous standby, each run by its own
+    ``pg_autoctl run`` as the postgres user, all under one temporary folder."""
+
+    root: Path
+    bindir: str
+    env: dict[str, str]
+    runners: dict[str, subprocess.Popen[bytes]]
+
+    @property
+    def url(self) -> str:
+        hosts = "&".join(f"host=127.0.0.1:{port}" for port in NODE_PORTS)
+        return f"postgresql+psycopg://postgres@/postgres?{hosts}&target_session_attrs=read-write"
+
+    def as_postgres(self, *command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["runuser", "-u", "postgres", "--", *command], env=self.env,
+                              check=check, capture_output=True, text=True)
+
+    def run(self, name: str) -> None:
+        log = open(self.root / f"{name}.log", "ab")  # noqa: SIM115
+        self.runners[name] = subprocess.Popen(
+            ["runuser", "-u", "postgres", "--", PG_AUTOCTL, "run", "--pgdata",
+             str(self.root / name)], env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    def state(self) -> dict[str, str]:
+        """Each node's reported state, by name, as the monitor knows it."""
+        rows = self.as_postgres("psql", "-h", "127.0.0.1", "-p", str(MONITOR_PORT), "-d",
+                                "pg_auto_failover", "-Atc",
+                                "SELECT nodename, reportedstate FROM pgautofailover.node",
+                                check=False).stdout.split()
+        return dict(row.split("|", 1) for row in rows if "|" in row)
+
+    def wait_for(self, wanted: dict[str, str], timeout: float) -> None:
+        self.wait_until(lambda state: state == wanted, timeout)
+
+    def wait_until(self, ready: Callable[[dict[str, str]], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if ready(self.state()):
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"the formation did not get there: it is {self.state()}")
+
+    def crash(self, name: str) -> None:
+        """The node's machine dies: its pg_autoctl is killed and its server stops at once."""
+        runner = self.runners.pop(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(runner.pid, 9)
+        runner.wait(10)
+        self.as_postgres(f"{self.bindir}/pg_ctl", "-D", str(self.root / name), "stop",
+                         "-m", "immediate", check=False)
+
+    def stop(self) -> None:
+        for runner in self.runners.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(runner.pid, 9)
+            runner.wait(10)
+        for name in ("node1", "node2", "monitor"):
+            if (self.root / name).exists():
+                self.as_postgres(f"{self.bindir}/pg_ctl", "-D", str(self.root / name), "stop",
+                                 "-m", "immediate", check=False)
+
+
+@pytest.fixture
+def formation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Formation]:
+    """A monitor on 6100 and nodes on 6101 (primary) and 6102 (standby), health-checked
+    every second so that a dead primary is failed over within seconds."""
+    if os.geteuid() != 0 or shutil.which(PG_AUTOCTL) is None:
+        reason = ("needs root and pg_auto_failover (apt-get install postgresql-15-auto-failover "
+                  "pg-auto-failover-cli)")
+        if REQUIRE_SERVICES:
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    version = sorted(os.listdir("/etc/postgresql"))[-1]
+    bindir = f"/usr/lib/postgresql/{version}/bin"
+    root = Path(tempfile.mkdtemp(prefix="duraflow-failover-"))
+    shutil.chown(root, "postgres", "postgres")
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}",
+           "XDG_CONFIG_HOME": str(root / "config"), "XDG_DATA_HOME": str(root / "data"),
+           "XDG_RUNTIME_DIR": str(root / "run"), "HOME": str(root)}
+    f = Formation(root=root, bindir=bindir, env=env, runners={})
+    monitor = f"postgres://autoctl_node@127.0.0.1:{MONITOR_PORT}/pg_auto_failover?sslmode=disable"
+    try:
+        f.as_postgres(PG_AUTOCTL, "create", "monitor", "--pgdata", str(root / "monitor"),
+                      "--pgport", str(MONITOR_PORT), "--auth", "trust", "--no-ssl",
+                      "--hostname", "127.0.0.1")
+        with open(root / "monitor" / "postgresql.auto.conf", "a") as conf:
+            conf.write("pgautofailover.health_check_period = 1000\n"
+                       "pgautofailover.health_check_timeout = 1000\n"
+                       "pgautofailover.health_check_max_retries = 1\n"
+                       "pgautofailover.health_check_retry_delay = 500\n"
+                       "pgautofailover.node_considered_unhealthy_timeout = 3000\n")
+        f.run("monitor")
+        for index, port in enumerate(NODE_PORTS, start=1):
+            name = f"node{index}"
+            deadline = time.monotonic() + 60
+            while True:
+                made = f.as_postgres(
+                    PG_AUTOCTL, "create", "postgres", "--pgdata", str(root / name),
+                    "--pgport", str(port), "--auth", "trust", "--no-ssl", "--hostname",
+                    "127.0.0.1", "--name", name, "--monitor", monitor, check=False)
+                if made.returncode == 0:
+                    break
+                assert time.monotonic() < deadline, made.stderr
+                time.sleep(1)  # the monitor is still starting
+            f.run(name)
+            if index == 1:
+                f.wait_until(lambda state: state.get("node1") in ("single", "primary"), 60)
+        f.wait_for({"node1": "primary", "node2": "secondary"}, 120)
+    except (subprocess.CalledProcessError, AssertionError, OSError) as exc:
+        f.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        detail = getattr(exc, "stderr", "") or str(exc)
+        pytest.fail(f"the pg_auto_failover formation could not be built: {detail}",
+                    pytrace=False)
+    try:
+        yield f
+    finally:
+        f.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.long
+def test_a_failover_under_load_loses_no_recorded_step_and_needs_no_restart(
+        formation: Formation, redis_url: str, tmp_path: Path) -> None:
+    """pg_auto_failover's primary crashes under 40 runs of 10 steps; the monitor promotes
+    the synchronous standby; the workers, on one multi-host URL, carry on without a
+    restart: every run finishes, no recorded step is lost, every body that ran again was
+    flagged in doubt, no retry spent."""
+    broker = Broker("redis", redis_url, redis_url)
+    runs, steps = 40, 10
+    with cluster(formation.url, broker, tmp_path, lease_seconds=LONG_LEASE) as c, \
+            two_workers(c):
+        from tests.test_chaos import client_app
+
+        app = client_app(c, broker)
+        task_ids = [str(uuid.uuid4()) for _ in range(runs)]
+        for n, task_id in enumerate(task_ids):
+            app.send_task("proj.outage_steps", args=(n,),
+                          kwargs={"steps": steps, "seconds": 0.2}, task_id=task_id,
+                          queue=c.queue)
+        time.sleep(4.0)
+        crashed_at = time.time()
+        formation.crash("node1")
+        formation.wait_until(lambda state: state.get("node2") in ("wait_primary", "primary"),
+                             90)
+        promoted_after = time.time() - crashed_at
+        statuses = wait_for_runs(c, runs, timeout=240)
+        executions, deliveries = read_events(c)
+        problems, duplicates, in_doubt = check_executions(c, executions)
+        recorded = int(str(c.sql(f'SELECT count(*) FROM "{c.prefix}steps" '
+                                 "WHERE status = 'completed'")[0][0]))
+        retries = int(str(c.sql(f'SELECT count(*) FROM "{c.prefix}runs" '
+                                "WHERE retries <> 0")[0][0]))
+        seen = {(line.split()[3], line.split()[4]) for line in _events(c)
+                if line.split()[2] == "recorded" and float(line.split()[0]) < crashed_at}
+        print(f"\nledger failover: runs sent={runs} finished={statuses.get('succeeded', 0)} "
+              f"promoted after {promoted_after:.1f}s; deliveries={len(deliveries)} "
+              f"steps recorded={recorded} (seen recorded before the crash: {len(seen)}) "
+              f"bodies run again in doubt={in_doubt} unflagged={duplicates} "
+              f"retries spent={retries}; problems={len(problems)}")
+        assert statuses.get("succeeded") == runs, f"{statuses}\n{c.log_tail()}"
+        assert recorded == runs * steps
+        assert problems == [] and duplicates == 0, "\n".join(problems[:20])
+        assert retries == 0
+        assert seen, "no step was recorded before the crash: the load had not started"
