@@ -771,13 +771,13 @@ class Store(WaitStatements, FlowStatements):
     def _asynchronous_commit(self) -> Any:
         """A condition (always true) that turns off synchronous commit for its statement.
 
-        Used for the step claim, a record whose loss in a *database* crash is
-        harmless: the step then simply looks never started and runs again
-        with the same idempotency key, exactly as an in-doubt step would. The
-        claim still commits and is visible at once; only the wait for the
-        WAL flush is skipped, which is most of a commit's cost.
-        ``set_config(..., true)`` lasts until the end of the statement's own
-        transaction, so the session keeps its setting.
+        Used for writes whose loss in a *database* crash costs time and nothing
+        else (a run's success, a slot freed apart from the run's end): the
+        write still commits and is visible at once; only the wait for the WAL
+        flush is skipped, which is most of a commit's cost. Never for a step's
+        claim: that must survive a crash, or an at-most-once step's body would
+        run again. ``set_config(..., true)`` lasts until the end of the
+        statement's own transaction, so the session keeps its setting.
         """
         if not self.asynchronous_commit:
             return true()
@@ -822,7 +822,6 @@ class Store(WaitStatements, FlowStatements):
         runs = self.tables.runs
         fence = exists().where(runs.c.task_id == bindparam("p_task_id"),
                                runs.c.lease_owner == bindparam("p_owner"))
-        relaxed = self._asynchronous_commit()
 
         def from_params(columns: list[str], condition: Any) -> Any:
             # INSERT ... SELECT <bound values> WHERE <condition>: the insert only happens
@@ -834,9 +833,11 @@ class Store(WaitStatements, FlowStatements):
 
         statements: dict[str, Any] = {
             "claim_new": (
+                # Durable before the body runs (the commit waits for the WAL flush): a claim
+                # lost in a crash would make the step look never started, and the body of
+                # a step that must not run twice would run again, not in doubt.
                 from_params(["task_id", "step_key", "status", "attempts", "started_at",
-                             "position"],
-                            and_(fence, relaxed))
+                             "position"], fence)
                 .on_conflict_do_nothing(index_elements=[steps.c.task_id, steps.c.step_key])
                 .returning(*steps.c)
             ),
@@ -845,7 +846,7 @@ class Store(WaitStatements, FlowStatements):
                 .where(steps.c.task_id == bindparam("p_task_id"),
                        steps.c.step_key == bindparam("p_step_key"),
                        steps.c.status == bindparam("p_prior_status"),
-                       steps.c.attempts == bindparam("p_prior_attempts"), fence, relaxed)
+                       steps.c.attempts == bindparam("p_prior_attempts"), fence)
                 .values(status=STEP_RUNNING, attempts=bindparam("p_attempts"),
                         completed_at=None, error=None, position=bindparam("p_position"))
                 .returning(*steps.c)
@@ -873,7 +874,8 @@ class Store(WaitStatements, FlowStatements):
         statements["record_new"] = (
             insert_new if self.insert_rowcount else insert_new.on_conflict_do_nothing(
                 index_elements=[steps.c.task_id, steps.c.step_key]).returning(steps.c.task_id))
-        for name, condition in (("record", fence), ("record_relaxed", and_(fence, relaxed))):
+        relaxed = and_(fence, self._asynchronous_commit())
+        for name, condition in (("record", fence), ("record_relaxed", relaxed)):
             insert_ = from_params([*ended, "error"], condition)
             excluded = insert_.excluded
             statements[name] = insert_.on_conflict_do_update(

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -119,3 +120,50 @@ def test_a_success_the_crash_lost_is_recorded_again_without_running_a_step(
             assert len(deliveries) == 2  # the first delivery and the sweep's
     finally:
         _server_setting(outage_pg, "wal_writer_delay", None)
+
+
+def test_an_at_most_once_steps_claim_survives_a_crash_during_its_body(
+        outage_pg: OutageServer, table_prefix: str) -> None:
+    """PostgreSQL crashes while an on_in_doubt='raise' step's body runs: its claim was
+    durable, so the next attempt raises StepInDoubt instead of running the body again."""
+    from celery_duraflow import DurableTask, StepInDoubt, StoreUnavailable, step
+    from celery_duraflow._store import close_all_stores
+    from tests.conftest import app_factory, drop_tables
+
+    app = app_factory(outage_pg.url, table_prefix)(duraflow_lease_seconds=1)
+    charges: list[int] = []
+    down: list[Any] = [None]
+
+    @app.task(base=DurableTask, name="crash.charge")
+    def charge() -> str:
+        with step("charge", on_in_doubt="raise") as s:
+            charges.append(1)
+            if not down:
+                # The database dies while the card is being charged. An asynchronous commit
+                # of the claim would still sit in the WAL buffers (the writer waits 10 s).
+                down.append(outage_pg.stopped(mode="immediate"))
+                down[0].__enter__()
+            s.result = "charged"
+        return str(s.result)
+
+    _server_setting(outage_pg, "wal_writer_delay", "10s")
+    try:
+        assert charge.apply(task_id=f"warm-{uuid.uuid4()}").get() == "charged"  # tables
+        charges.clear()
+        down.clear()
+        task_id = str(uuid.uuid4())
+        try:
+            first = charge.apply(task_id=task_id)
+        finally:
+            if down:
+                down[0].__exit__(None, None, None)  # the server starts again, and recovers
+        assert isinstance(first.result, StoreUnavailable), first.result
+        time.sleep(1.2)  # the first attempt could not let go of its 1 s lease
+        again = charge.apply(task_id=task_id)
+        assert isinstance(again.result, StepInDoubt), again.result
+        assert again.result.step_key == "charge"
+        assert charges == [1]  # never charged twice
+    finally:
+        _server_setting(outage_pg, "wal_writer_delay", None)
+        close_all_stores()
+        drop_tables(outage_pg.url, table_prefix)
