@@ -343,12 +343,16 @@ class OutageServer:
     url: str
     # The same database through PgBouncer (transaction pooling).
     pgbouncer_url: str
+    # Which private cluster (pg_createcluster's name and port): the outage cluster unless
+    # a test made one of its own.
+    cluster: str = OUTAGE_CLUSTER
+    port: int = OUTAGE_PORT
 
     def _ctl(self, action: str, *options: str, check: bool = True) -> None:
         import subprocess
 
         subprocess.run(["pg_ctlcluster", "--skip-systemctl-redirect", self.version,
-                        OUTAGE_CLUSTER, action, *options], check=check, capture_output=True)
+                        self.cluster, action, *options], check=check, capture_output=True)
 
     def ready(self, timeout: float) -> bool:
         import subprocess
@@ -356,7 +360,7 @@ class OutageServer:
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", str(OUTAGE_PORT)],
+            if subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", str(self.port)],
                               check=False).returncode == 0:
                 return True
             time.sleep(0.2)

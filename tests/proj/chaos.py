@@ -146,8 +146,10 @@ def chaos_ledger(self: Any, n: int) -> str:
 @app.task(base=DurableTask, bind=True, name="proj.outage_steps",
           autoretry_for=(ConnectionError,), max_retries=3, retry_backoff=False,
           default_retry_delay=0.2)
-def outage_steps(self: Any, n: int, steps: int = 5, seconds: float = 0.3) -> str:
-    """``steps`` steps of ``seconds`` each that touch nothing but the event log.
+def outage_steps(self: Any, n: int, steps: int = 5, seconds: float = 0.3,
+                 at_most_once: int = -1) -> str:
+    """``steps`` steps of ``seconds`` each that touch nothing but the event log; the step
+    numbered ``at_most_once`` (none by default) is ``on_in_doubt="raise"``.
 
     ``autoretry_for=(ConnectionError,)`` catches StoreUnavailable too, as a user's
     broad retry list would: a store outage must still spend none of these retries.
@@ -156,7 +158,8 @@ def outage_steps(self: Any, n: int, steps: int = 5, seconds: float = 0.3) -> str
     log_event("deliver", task_id, self.request.retries,
               int(bool((self.request.delivery_info or {}).get("redelivered"))))
     for index in range(steps):
-        with step(f"s{index}") as s:
+        with step(f"s{index}",
+                  on_in_doubt="raise" if index == at_most_once else "rerun") as s:
             log_event("start", task_id, f"s{index}", int(s.in_doubt))
             outcome = "error"
             try:
