@@ -255,14 +255,16 @@ def check_executions(c: Cluster, executions: dict[tuple[str, str], list[Executio
     return problems, duplicates, in_doubt
 
 
-def wait_for_runs(c: Cluster, count: int, timeout: float) -> dict[str, int]:
+def wait_for_runs(c: Cluster, count: int, timeout: float,
+                  ended: tuple[str, ...] = ("succeeded",)) -> dict[str, int]:
+    """Wait until ``count`` runs have one of the ``ended`` statuses; the count by status."""
     deadline = time.monotonic() + timeout
     statuses: dict[str, int] = {}
     while time.monotonic() < deadline:
         with suppress(Exception):
             statuses = {str(s): int(str(n)) for s, n in c.sql(
                 f'SELECT status, count(*) FROM "{c.prefix}runs" GROUP BY status')}
-            if statuses.get("succeeded", 0) >= count:
+            if sum(statuses.get(status, 0) for status in ended) >= count:
                 return statuses
         time.sleep(0.5)
     return statuses

@@ -289,11 +289,8 @@ def partitioned(tmp_path: Path) -> Iterator[Partitioned]:
             "--port", str(PART_REDIS_PORT), "--save", "", "--appendonly", "no",
             "--protected-mode", "no",
             "--pidfile", str(pidfile), "--logfile", str(tmp_path / "redis.log"))
-        deadline = time.monotonic() + 30
-        while _sh("pg_isready", "-q", "-h", "127.0.0.1", "-p", str(PART_PORT),
-                  check=False).returncode != 0:
-            assert time.monotonic() < deadline, "the partition's cluster did not start"
-            time.sleep(0.2)
+        assert OutageServer(version=version, url="", pgbouncer_url="", cluster=PART_CLUSTER,
+                            port=PART_PORT).ready(30), "the partition's cluster did not start"
     except (subprocess.CalledProcessError, AssertionError, OSError) as exc:
         _drop_partition(version, pidfile)
         detail = getattr(exc, "stderr", "") or str(exc)
@@ -542,7 +539,7 @@ def test_a_failover_under_load_loses_no_recorded_step_and_needs_no_restart(
         formation.wait_until(lambda state: state.get("node2") in ("wait_primary", "primary"),
                              90)
         promoted_after = time.time() - crashed_at
-        statuses = _wait_for_ends(c, runs, timeout=240)
+        statuses = wait_for_runs(c, runs, timeout=240, ended=("succeeded", "failed"))
         executions, deliveries = read_events(c)
         problems, duplicates, in_doubt = check_executions(c, executions)
         recorded = int(str(c.sql(f'SELECT count(*) FROM "{c.prefix}steps" s JOIN '
@@ -572,16 +569,3 @@ def test_a_failover_under_load_loses_no_recorded_step_and_needs_no_restart(
         assert retries == 0
         assert seen, "no step was recorded before the crash: the load had not started"
 
-
-def _wait_for_ends(c: Cluster, count: int, timeout: float) -> dict[str, int]:
-    """Wait until ``count`` runs have ended (succeeded or failed); their statuses."""
-    deadline = time.monotonic() + timeout
-    statuses: dict[str, int] = {}
-    while time.monotonic() < deadline:
-        with contextlib.suppress(Exception):
-            statuses = {str(s): int(str(n)) for s, n in c.sql(
-                f'SELECT status, count(*) FROM "{c.prefix}runs" GROUP BY status')}
-            if statuses.get("succeeded", 0) + statuses.get("failed", 0) >= count:
-                return statuses
-        time.sleep(0.5)
-    return statuses

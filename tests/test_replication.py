@@ -35,7 +35,7 @@ from celery_duraflow import DurableTask, StoreUnavailable, get_run, step
 from celery_duraflow._replication import Replication, read_replication, replication_warning
 from celery_duraflow._signals import _announce_store
 from celery_duraflow._store import close_all_stores
-from tests.conftest import REQUIRE_SERVICES, app_factory
+from tests.conftest import REQUIRE_SERVICES, OutageServer, app_factory
 
 pytestmark = [pytest.mark.postgres, pytest.mark.chaos]
 
@@ -45,16 +45,6 @@ PRIMARY_PORT, STANDBY_PORT = 5441, 5442
 
 def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, check=check, capture_output=True, text=True)
-
-
-def _ready(port: int, timeout: float = 60) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if _run("pg_isready", "-q", "-h", "127.0.0.1", "-p", str(port),
-                check=False).returncode == 0:
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @dataclass
@@ -75,9 +65,13 @@ class Pair:
         finally:
             engine.dispose()
 
+    def server(self, cluster: str) -> OutageServer:
+        port = PRIMARY_PORT if cluster == PRIMARY else STANDBY_PORT
+        return OutageServer(version=self.version, url=self.url(port), pgbouncer_url="",
+                            cluster=cluster, port=port)
+
     def ctl(self, cluster: str, action: str, *options: str) -> None:
-        _run("pg_ctlcluster", "--skip-systemctl-redirect", self.version, cluster, action,
-             *options)
+        self.server(cluster)._ctl(action, *options)
 
     def caught_up(self, timeout: float = 30) -> None:
         """Wait until the standby has replayed everything the primary has written."""
@@ -132,7 +126,7 @@ def pair() -> Iterator[Pair]:
         with open(f"/etc/postgresql/{version}/{PRIMARY}/pg_hba.conf", "a") as hba:
             hba.write("host replication all 127.0.0.1/32 trust\n")
         pair.ctl(PRIMARY, "start")
-        assert _ready(PRIMARY_PORT), "the primary did not start"
+        assert pair.server(PRIMARY).ready(60), "the primary did not start"
         _run("pg_createcluster", version, STANDBY, "-p", str(STANDBY_PORT), "--",
              "--auth=trust")
         data = f"/var/lib/postgresql/{version}/{STANDBY}"
@@ -143,7 +137,7 @@ def pair() -> Iterator[Pair]:
         _run("chown", "-R", "postgres:postgres", data)
         os.chmod(data, 0o700)
         pair.ctl(STANDBY, "start")
-        assert _ready(STANDBY_PORT), "the standby did not start"
+        assert pair.server(STANDBY).ready(60), "the standby did not start"
         pair.caught_up()
     except (subprocess.CalledProcessError, AssertionError, OSError) as exc:
         _drop()
