@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -73,10 +74,12 @@ def ledger(c: Cluster, task_ids: list[str], scenario: str, *, timeout: float = 1
 
 @contextlib.contextmanager
 def every_connection_taken(server: OutageServer) -> Iterator[int]:
-    """Hold every connection the server allows, end every other session (the workers'),
-    and keep taking the slots they free, until the block ends; yields how many are held."""
+    """Hold every connection the server allows and end every other session (the workers'),
+    over and over until the block ends: a worker that reconnects into a slot an ended
+    session freed is ended again, and its slot taken. Yields how many are held at first."""
     dsn = server.url.replace("postgresql+psycopg://", "postgresql://")
     hogs: list[psycopg.Connection[Any]] = []
+    done = threading.Event()
 
     def fill() -> None:
         while True:
@@ -86,19 +89,32 @@ def every_connection_taken(server: OutageServer) -> Iterator[int]:
                 assert "too many clients" in str(exc) or "reserved" in str(exc), exc
                 return
 
-    try:
-        fill()
-        assert hogs, "no connection could be taken at all"
+    def end_the_others() -> None:
         mine = [conn.info.backend_pid for conn in hogs]
         hogs[0].execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
                         "WHERE backend_type = 'client backend' AND NOT (pid = ANY(%s))",
                         (mine,))
-        deadline = time.monotonic() + 1.0
+
+    def keep_them() -> None:
+        while not done.wait(0.02):
+            end_the_others()
+            fill()
+
+    keeper = threading.Thread(target=keep_them, daemon=True)
+    try:
+        fill()
+        assert hogs, "no connection could be taken at all"
+        end_the_others()
+        deadline = time.monotonic() + 0.5
         while time.monotonic() < deadline:  # the slots of the ended sessions, as they free
             fill()
-            time.sleep(0.05)
+            time.sleep(0.02)
+        keeper.start()
         yield len(hogs)
     finally:
+        done.set()
+        if keeper.is_alive():
+            keeper.join(5)
         for conn in hogs:
             with contextlib.suppress(Exception):
                 conn.close()
