@@ -44,7 +44,8 @@ STEPS_PER_RUN = 10
 # An operation is "met" when its big-table figure is at most this many times its empty one.
 LIMIT = 2.0
 # Operations a sweep does now and then rather than on every pass: reported, not in the verdict.
-PERIODIC = ("sweep's first pass in a process (every waiting run)",)
+PERIODIC = ("sweep's look at waiting parents (first pass, then every minute)",
+            "sweep's first pass in a process (every waiting run)")
 
 
 def _load() -> str:
@@ -203,7 +204,11 @@ class Operations:
             f"patch {MARKER}": _median(lambda: _admin.patch_progress(
                 store, f"patched:{MARKER}", cap=_admin.COUNT_CAP), n),
             "recovery sweep pass (nothing due)": _median(
-                lambda: store.recoverable_runs(100, arrivals=False), n),
+                lambda: store.recoverable_runs(100, arrivals=False, parents=False), n),
+            # What a sweep adds on its first pass and then at most once a minute: every run
+            # that waits for a child, for a child whose waker died before waking it.
+            "sweep's look at waiting parents (first pass, then every minute)": _median(
+                lambda: store.recoverable_runs(100, arrivals=False, parents=True), n),
             # What a sweep adds on its first pass in a process: every waiting run checked
             # for a signal an older version stored without waking it.
             "sweep's first pass in a process (every waiting run)": _median(
@@ -310,10 +315,11 @@ def bench_scale(database_url: str, prefix: str, *, runs: int, repeats: int,
         f"days; {fill_s / 60:.1f} minutes; runs {sizes[0] if sizes else '?'}, steps "
         f"{sizes[1] if sizes else '?'}); medians of {repeats} calls each ({runs_per_round} "
         "runs of each kind for the fresh step and the empty run, taking turns). Fresh step "
-        "= (10-step run - empty run) / 10. A sweep pass reads the due runs and the parents "
-        "whose child ended without waking them; its first pass in a process also checks "
-        "every waiting run for a signal an older version stored without waking it: that "
-        "one is shown, and left out of the verdict. Footer counts stop at "
+        "= (10-step run - empty run) / 10. A sweep pass reads the due runs. Now and then "
+        "(its first pass in a process, then at most once a minute) it also reads every run "
+        "that waits for a child, for a child whose waker died before waking it, and its "
+        "first pass checks every waiting run for a signal an older version stored without "
+        "waking it: those two are shown, and left out of the verdict. Footer counts stop at "
         f"{_admin.COUNT_CAP:,} per status. Load average before {load_before}, after "
         f"{load_after} (2 cores, shared).",
         "",

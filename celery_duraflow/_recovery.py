@@ -16,11 +16,15 @@ the lease it sets gives the new delivery time to arrive before another sweep.
 
 Due runs (an expired lease, a sleep or a timeout that is up) are read through
 the lease index on every pass, so a pass costs the same however many runs wait.
-A waiting run whose signal or child end was stored but never woke it (the sender
-died in between, or the signal landed at the very moment the run suspended) is
-due by no time: finding one means looking at every waiting run. A sweep looks for
-them on its first pass in a process and then at most every
-:data:`ARRIVALS_EVERY` seconds, so such a run is woken within about that long.
+A stored signal wakes its run in the transaction that stores it, and a child's
+end that races with its parent's suspension is seen by one side or the other
+(``Store.suspend``): neither needs a look. One case is due by no time: a child
+whose end was recorded while the worker ending it died before waking its parent.
+Finding one means looking at every run that waits for a child, so a sweep looks
+on its first pass in a process and then at most every :data:`PARENTS_EVERY`
+seconds: such a parent is woken within about that long, as a dead worker's own
+runs are within their lease. The first pass also looks at every waiting run for
+a signal that an older version stored without waking it.
 
 A run the sweep cannot send (its arguments were not recorded or cannot be
 decoded, or its task name is not registered in the sweep's app) would
@@ -71,6 +75,28 @@ def _arrivals_due(store: Any) -> bool:
     if store in _arrivals_checked:
         return False
     _arrivals_checked.add(store)
+    return True
+
+
+#: Seconds between two looks, by a sweep in one process, at every run that waits for a
+#: child: for a parent whose child ended while the worker ending it died before waking
+#: it. The first pass in a process takes one. Every other way a child's end reaches its
+#: parent needs no look (see ``Store.suspend``); this one costs what the waiting parents
+#: cost, so it is not taken on every pass.
+PARENTS_EVERY = 60.0
+
+# When each store's sweep in this process last looked at the waiting parents.
+_parents_looked: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+
+
+def _parents_due(store: Any) -> bool:
+    """True on the first sweep of ``store`` in this process, and then once
+    :data:`PARENTS_EVERY` seconds have passed since the last look at waiting parents."""
+    now = time.monotonic()
+    last = _parents_looked.get(store)
+    if last is not None and now - last < PARENTS_EVERY:
+        return False
+    _parents_looked[store] = now
     return True
 
 
@@ -157,12 +183,13 @@ def sweep(app: Any = None, *, limit: int = 100) -> SweepResult:
     result = SweepResult()
     seen: set[str] = set()
     arrivals = _arrivals_due(store)
+    parents = _parents_due(store)
     # Slots whose holders died: handed to the runs queued for them.
     for run in store.settle_queues(grace=config.lease_seconds, limit=limit):
         send_woken(app, [run])
         result.sent.append(run.task_id)
     while len(result.sent) < limit:
-        found = store.recoverable_runs(limit, arrivals=arrivals)
+        found = store.recoverable_runs(limit, arrivals=arrivals, parents=parents)
         fresh = [run for run in found if run.task_id not in seen]
         for run in fresh:
             if len(result.sent) >= limit:

@@ -613,23 +613,26 @@ class Store(WaitStatements, FlowStatements):
         with self._write("renewing run leases") as conn:
             return {(row[0], row[1]): row[2] for row in conn.execute(stmt)}
 
-    def recoverable_runs(self, limit: int, *, arrivals: bool = True) -> list[RunRecord]:
+    def recoverable_runs(self, limit: int, *, arrivals: bool = True,
+                         parents: bool = True) -> list[RunRecord]:
         """Runs that need a delivery and will not get one by themselves.
 
         Running runs whose lease expired (their owner died, or their retry
         never came, or a wake-up's message was lost); sleeping and waiting runs
-        whose time is up; waiting runs whose child ended without waking them
-        (whoever ended it died before waking the parent); and, with
-        ``arrivals``, every waiting run whose signal is stored. Oldest expiry
-        first; never a pruned run's tombstone.
+        whose time is up; with ``parents``, waiting runs whose child ended
+        without waking them (whoever ended it died before waking the parent);
+        and, with ``arrivals``, every waiting run whose signal is stored. Oldest
+        expiry first; never a pruned run's tombstone.
 
         The due runs are read through the lease index, at most ``limit`` per
-        status, and the parents through the partial index of runs waiting for
-        a child, whatever the size of the table. A stored signal needs no look:
-        storing it wakes its run in the same transaction (see
-        :meth:`put_signal`). ``arrivals`` looks at every waiting run, for signals
-        an older version stored without waking their run; a sweep asks for it on
-        its first pass in a process only.
+        status, whatever the size of the table. ``parents`` reads every run that
+        waits for a child, through their partial index: its cost grows with
+        them, so a sweep asks for it now and then (see :mod:`._recovery`). A
+        child's end that races with its parent's suspension needs no look (see
+        :meth:`suspend`), nor does a stored signal: storing it wakes its run in
+        the same transaction (:meth:`put_signal`). ``arrivals`` looks at every
+        waiting run, for signals an older version stored without waking their
+        run; a sweep asks for it on its first pass in a process only.
         """
         runs = self.tables.runs
         signals = self.tables.signals
@@ -644,7 +647,7 @@ class Store(WaitStatements, FlowStatements):
                for status in (RUNNING, SLEEPING, WAITING)]
         # Parents whose child ended without waking them: through the partial index of the
         # runs waiting for a child (the query names its predicate's values).
-        parents = (
+        waiting_parents = (
             select(runs)
             .where(runs.c.status == WAITING, runs.c.wait_kind == "child",
                    runs.c.pruned_at.is_(None),
@@ -661,7 +664,8 @@ class Store(WaitStatements, FlowStatements):
                                   signals.c.name == runs.c.waiting_for))
             .order_by(runs.c.lease_expires_at).limit(limit).subquery()
         )
-        branches = (*due, parents, signalled) if arrivals else (*due, parents)
+        branches = [*due, *([waiting_parents] if parents else []),
+                    *([signalled] if arrivals else [])]
         merged = union_all(*(select(branch) for branch in branches)).subquery("found")
         # A run both due and arrived comes once (UNION ALL keeps both copies).
         stmt = (select(merged).distinct()

@@ -7,7 +7,10 @@ locks the run's row first, and storing a signal locks the same row and wakes the
 waiting for it in the same transaction: a signal that lands while the run suspends
 either is seen by the suspension or finds the run waiting, and a sender that dies
 after storing it leaves a run the sweep finds due (running, no owner, a short
-expiry). A child's end that misses its suspending parent is found by the sweep.
+expiry). A child wait locks the child's row (shared) first, which a child's end
+writes, so the end either is seen by the suspension or commits after it and its
+waker finds the parent waiting; a parent whose waker died in between is found by
+the sweep's periodic look at waiting parents.
 """
 
 from __future__ import annotations
@@ -45,10 +48,13 @@ class WaitStatements(Database):
         child wait if the child already finished (checked in the statement that
         suspends). For a signal wait the run's row is locked first, as
         :meth:`put_signal` locks it, so a signal stored at the same moment either
-        is seen here or finds the run waiting and wakes it; a child's end that
-        lands at that moment may miss the parent, which the sweep's next pass
-        finds (:meth:`recoverable_runs`). False means the run was not suspended
-        (that, or this owner lost the lease).
+        is seen here or finds the run waiting and wakes it. For a child wait the
+        child's row is locked (shared) first, and a child's end writes that row:
+        an end that lands at that moment either is seen here or commits after the
+        suspension, and the waker that follows it finds the run waiting. (A waker
+        that dies between the child's end and the wake leaves the parent to the
+        sweep's look at waiting parents, :meth:`recoverable_runs`.) False means
+        the run was not suspended (that, or this owner lost the lease).
         """
         runs = self.tables.runs
         signals = self.tables.signals
@@ -70,22 +76,28 @@ class WaitStatements(Database):
                         wake_at=wake_at, lease_owner=None, lease_expires_at=sweep_at,
                         updated_at=utc_now(), interrupted=False)).rowcount)
 
-        if kind != "signal":
-            # A child's end that races with this is found by the sweep's next pass.
+        if kind not in ("signal", "child"):
             with self._write(action, task_id) as conn:
                 return suspended(conn)
         with self.transaction(action, task_id) as conn:
-            # The row first: a signal being stored now holds it until it commits, and the
-            # check, a statement of its own, then sees that signal (see put_signal).
-            self._lock_run(conn, task_id)
+            if kind == "signal":
+                # The row first: a signal being stored now holds it until it commits, and
+                # the check, a statement of its own, then sees that signal (put_signal).
+                self._lock_run(conn, task_id)
+            else:
+                # The child's row, shared: an end being written now holds it until it
+                # commits, and the check then sees that end; an end written after this
+                # waits for the suspension to commit, so its waker finds the run waiting.
+                self._lock_run(conn, waiting_for, share=True)
             return suspended(conn)
 
-    def _lock_run(self, conn: Connection, task_id: str) -> None:
-        """Lock the run's row until the transaction ends (SQLite's write lock does already)."""
+    def _lock_run(self, conn: Connection, task_id: str, *, share: bool = False) -> None:
+        """Lock a run's row until the transaction ends (SQLite's write lock does already):
+        for update, or ``share``d (other locks that share it still go on, writes wait)."""
         if self.dialect == "postgresql":
             runs = self.tables.runs
             conn.execute(select(runs.c.task_id).where(runs.c.task_id == task_id)
-                         .with_for_update())
+                         .with_for_update(read=share))
 
     def wake(self, task_id: str, *, kind: WaitKind, waiting_for: str,
              grace: float) -> RunRecord | None:

@@ -9,6 +9,7 @@ run at once.
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -61,14 +62,25 @@ def test_a_child_and_its_woken_parent_arrive_marked_as_recorded(
                    **_: Any) -> None:
         seen.append((sender.name.rsplit(".", 1)[-1], attempt, is_recorded(sender.request)))
 
+    parents: list[str] = []
+
     @app.task(base=DurableTask)
     def kid(n: int) -> int:
+        # The parent waits before the child ends, so that the child's end wakes it (a child
+        # that ends first is seen by the parent's suspension, and there is no wake-up).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            waiting = get_run(parents[0], app=app) if parents else None
+            if waiting is not None and waiting.status == "waiting":
+                break
+            time.sleep(0.02)
         with step("work") as s:
             s.result = n * 2
         return int(s.result)
 
-    @app.task(base=DurableTask)
-    def parent(n: int) -> int:
+    @app.task(base=DurableTask, bind=True)
+    def parent(self: Any, n: int) -> int:
+        parents.append(self.request.id)
         return int(child("kid", kid.s(n))) + 1
 
     attempt_started.connect(on_attempt)

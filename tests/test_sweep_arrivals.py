@@ -1,14 +1,16 @@
 """A signal or a child's end that reaches a waiting run is never left without a wake-up,
-and the sweep finds it without reading every waiting run.
+and the sweep finds it without reading every waiting run on every pass.
 
 Storing a signal wakes the run waiting for it in the same transaction: the run is then
 running with no owner and a short expiry, so if the sender dies before sending it, the
 sweep's pass over due runs (through the lease index) sends it. A suspension and a
-signal that race both lock the run's row first, so one always sees the other. A
-parent whose child ended without waking it is found on every pass through a partial
-index of the runs that wait for a child. The full look at every waiting run is left to
-a sweep's first pass in a process, for what an older version stored. On SQLite and
-PostgreSQL, the race on PostgreSQL.
+signal that race both lock the run's row first, so one always sees the other; a
+suspension for a child locks the child's row, which the child's end writes, so the end
+is seen by the suspension or its waker finds the run waiting. A parent whose child's
+waker died before waking it is found by the look at waiting parents, which a sweep
+takes on its first pass in a process and then now and then; the full look at every
+waiting run is left to the first pass, for what an older version stored. On SQLite
+and PostgreSQL, the races on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def _waiting_for(store: Store, kind: str, waiting_for: str) -> str:
 
 
 def _due(store: Store) -> list[str]:
-    """The runs a plain pass of the sweep (no full look at waiting runs) finds."""
-    return [run.task_id for run in store.recoverable_runs(10, arrivals=False)]
+    """The runs a plain pass of the sweep (no look at waiting runs or parents) finds."""
+    return [run.task_id for run in store.recoverable_runs(10, arrivals=False, parents=False)]
 
 
 def test_storing_a_signal_wakes_its_waiting_run_in_the_same_write(
@@ -81,9 +83,10 @@ def test_a_signal_for_another_name_or_an_ended_run_wakes_nothing(
     assert run is not None and run.status == "succeeded"
 
 
-def test_a_child_end_that_never_woke_its_parent_is_found_by_every_pass(
+def test_a_child_end_that_never_woke_its_parent_is_found_by_the_look_at_parents(
         make_app: Callable[..., Celery]) -> None:
-    """A child that ended while its waker died leaves its parent to the next plain pass."""
+    """A child that ended while its waker died leaves its parent to the look at waiting
+    parents (a plain pass reads only the due runs, and does not find it)."""
     store = _store(make_app)
     parent = str(uuid.uuid4())
     child = f"{parent}/child"
@@ -95,7 +98,52 @@ def test_a_child_end_that_never_woke_its_parent_is_found_by_every_pass(
     child_owner = OWNER + "-child"
     store.begin_attempt(child, Delivery(task_name="shop.leg", owner=child_owner))
     assert store.finish_run(child, child_owner, "succeeded", result="1", serializer="json")
-    assert _due(store) == [parent]
+    assert _due(store) == []
+    found = store.recoverable_runs(10, arrivals=False, parents=True)
+    assert [run.task_id for run in found] == [parent]
+
+
+def test_a_sweep_looks_at_waiting_parents_first_and_then_every_interval(
+        make_app: Callable[..., Celery], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store's first sweep in a process looks at the waiting parents, the next ones do not
+    until PARENTS_EVERY seconds have passed, and then one does again."""
+    store = _store(make_app)
+    clock = [1000.0]
+    monkeypatch.setattr(_recovery.time, "monotonic", lambda: clock[0])
+    _recovery._parents_looked.pop(store, None)
+    assert _recovery._parents_due(store)
+    clock[0] += _recovery.PARENTS_EVERY - 1
+    assert not _recovery._parents_due(store)
+    clock[0] += 1
+    assert _recovery._parents_due(store)
+    assert not _recovery._parents_due(store)
+
+
+def test_a_sweep_wakes_the_parent_its_childs_waker_left(
+        make_app: Callable[..., Celery], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through sweep(): a parent whose child's waker died is sent on the first pass, and on a
+    later one once the interval has passed, never left waiting for good."""
+    app = make_app(duraflow_lease_seconds=LEASE)
+    store = store_for(config_for_app(app))
+    sent: list[str] = []
+    monkeypatch.setattr(_recovery, "send_run", lambda app, run: sent.append(run.task_id))
+    monkeypatch.setattr(_recovery, "_unsendable", lambda run, config, registered: None)
+    _recovery.sweep(app)  # the first pass in this process, with nothing left behind
+    parent = str(uuid.uuid4())
+    child = f"{parent}/child"
+    store.begin_attempt(parent, Delivery(task_name="shop.trip", owner=OWNER))
+    assert store.create_child_run(child, task_name="shop.leg", parent_id=parent, args="[]",
+                                  exchange=None, routing_key=None)
+    assert store.suspend(parent, OWNER, status="waiting", kind="child", waiting_for=child,
+                         wake_at=None, sweep_at=None)
+    store.begin_attempt(child, Delivery(task_name="shop.leg", owner=OWNER + "-child"))
+    assert store.finish_run(child, OWNER + "-child", "succeeded", result="1",
+                            serializer="json")
+    assert _recovery.sweep(app).sent == []  # within the interval: not looked for yet
+    looked = _recovery._parents_looked[store]
+    _recovery._parents_looked[store] = looked - _recovery.PARENTS_EVERY
+    assert _recovery.sweep(app).sent == [parent]
+    assert sent == [parent]
 
 
 def test_the_first_pass_in_a_process_finds_what_an_older_version_left_waiting(
@@ -185,3 +233,71 @@ def test_a_signal_racing_the_suspension_always_wakes_the_run(
         assert woken is None and run.status == "running" and run.lease_owner == OWNER
     with store.engine.connect() as conn:
         assert conn.execute(select(store.tables.signals.c.name)).scalars().all() == ["go"]
+
+
+@pytest.mark.postgres
+@pytest.mark.pooled
+@pytest.mark.parametrize("database_url", ["postgres", "pgbouncer"], indirect=True)
+@pytest.mark.parametrize("first", ["suspension", "child"])
+def test_a_child_end_racing_the_suspension_always_wakes_the_parent(
+        make_app: Callable[..., Celery], database_url: str, pg_url: str, first: str) -> None:
+    """The worst orders, forced with a lock: the parent's suspension checks the child before
+    the child's end commits and writes after its waker looked (``suspension``), or the
+    child's end is written while the parent suspends (``child``); the parent is never left
+    waiting for a child that ended, with nobody to wake it but a sweep's full look."""
+    store = _store(make_app)
+    parent = str(uuid.uuid4())
+    child = f"{parent}/child"
+    child_owner = OWNER + "-child"
+    store.begin_attempt(parent, Delivery(task_name="shop.trip", owner=OWNER))
+    assert store.create_child_run(child, task_name="shop.leg", parent_id=parent, args="[]",
+                                  exchange=None, routing_key=None)
+    store.begin_attempt(child, Delivery(task_name="shop.leg", owner=child_owner))
+    runs = store.tables.runs.name
+    holder = create_engine(pg_url).connect()
+    outcomes: dict[str, Any] = {}
+
+    def suspend() -> None:
+        outcomes["suspended"] = store.suspend(parent, OWNER, status="waiting", kind="child",
+                                              waiting_for=child, wake_at=None, sweep_at=None)
+
+    def end_child() -> None:
+        # What a child's attempt does at its end: record it, then wake the parent.
+        assert store.finish_run(child, child_owner, "succeeded", result="1", serializer="json")
+        outcomes["woken"] = store.wake(parent, kind="child", waiting_for=child, grace=LEASE)
+
+    suspending = threading.Thread(target=suspend)
+    ending = threading.Thread(target=end_child)
+    try:
+        if first == "suspension":
+            # The parent's row is held: the suspension has read the child (not ended) and
+            # waits to write while the child ends and its waker looks at the parent.
+            holder.execute(text(f'SELECT 1 FROM "{runs}" WHERE task_id = :t FOR UPDATE'),
+                           {"t": parent})
+            suspending.start()
+            time.sleep(0.3)
+            ending.start()
+            time.sleep(0.5)
+            holder.rollback()
+        else:
+            # The child's end is written, not committed, when the parent suspends.
+            holder.execute(text(f'UPDATE "{runs}" SET status = \'succeeded\', '
+                                f'lease_owner = NULL WHERE task_id = :t'), {"t": child})
+            suspending.start()
+            time.sleep(0.5)
+            holder.commit()
+            outcomes["woken"] = store.wake(parent, kind="child", waiting_for=child,
+                                           grace=LEASE)
+        for thread in (suspending, ending):
+            if thread.is_alive():
+                thread.join(10)
+    finally:
+        holder.close()
+    run = store.get_run(parent)
+    assert run is not None
+    # Either the suspension saw the child's end and did not happen, or the end woke it.
+    if outcomes["suspended"]:
+        assert outcomes["woken"] is not None and run.status == "running", run.status
+    else:
+        assert outcomes["woken"] is None and run.status == "running"
+        assert run.lease_owner == OWNER
