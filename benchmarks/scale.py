@@ -201,8 +201,9 @@ class Operations:
             f"runs --task {task}": _median(lambda: runs_command(task_name=task), n),
             "runs --older-than 7d": _median(lambda: runs_command(older_than=week), n),
             "prune --dry-run --older-than 29d": _median(prune_dry_run, n),
+            # As `patch NAME` asks: its default --limit of 20 runs listed, and one more.
             f"patch {MARKER}": _median(lambda: _admin.patch_progress(
-                store, f"patched:{MARKER}", cap=_admin.COUNT_CAP), n),
+                store, f"patched:{MARKER}", limit=21, cap=_admin.COUNT_CAP), n),
             "recovery sweep pass (nothing due)": _median(
                 lambda: store.recoverable_runs(100, arrivals=False, parents=False), n),
             # What a sweep adds on its first pass and then at most once a minute: every run

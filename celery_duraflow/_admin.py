@@ -508,12 +508,14 @@ def count_tombstones(store: Store, *, older_than: timedelta = TOMBSTONE_RETENTIO
 
 def count_prunable(store: Store, *, older_than: timedelta,
                    statuses: Iterable[str] = PRUNABLE,
-                   cap: int | None = None) -> tuple[int, int]:
+                   cap: int | None = None) -> tuple[int, int | None]:
     """What :func:`prune` would prune now, as (runs, steps); changes nothing.
 
     With ``cap``, at most that many runs are counted (oldest update first, one
-    range of prune's index per status), and the steps of those runs: a run
-    count equal to the cap means at least that many runs, and more steps.
+    range of prune's index per status): a run count equal to the cap means at
+    least that many runs, and their steps are not counted (None), so that the
+    count costs the same however many runs the store holds. Below the cap, the
+    steps of the runs counted are counted too (none are read for no runs).
     """
     chosen = _prunable(statuses)
     runs, steps = store.tables.runs, store.tables.steps
@@ -535,9 +537,11 @@ def count_prunable(store: Store, *, older_than: timedelta,
     step_count = (select(func.count()).select_from(steps)
                   .where(steps.c.task_id.in_(doomed)))
     with store.reading("counting runs to prune") as conn:
-        doomed_runs = conn.execute(run_count).scalar_one()
-        doomed_steps = conn.execute(step_count).scalar_one()
-    return int(doomed_runs), int(doomed_steps)
+        doomed_runs = int(conn.execute(run_count).scalar_one())
+        if cap is not None and doomed_runs >= cap:
+            return doomed_runs, None
+        doomed_steps = int(conn.execute(step_count).scalar_one()) if doomed_runs else 0
+    return doomed_runs, doomed_steps
 
 
 # -- operator commands on one run: cancel, retry, and a patch's progress ---------------

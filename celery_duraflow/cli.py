@@ -165,8 +165,8 @@ def signal(ctx: click.Context, task_id: str, name: str, payload: str | None) -> 
 @click.argument("name")
 @click.option("--task", "task_name", default=None, cls=CeleryOption, help_group="Patch Options",
               help="Only runs of this task name.")
-@click.option("--limit", type=int, default=100, show_default=True, cls=CeleryOption,
-              help_group="Patch Options", help="Most runs listed.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=20, show_default=True,
+              cls=CeleryOption, help_group="Patch Options", help="Most runs listed.")
 @click.pass_context
 @handle_preload_options  # type: ignore[untyped-decorator]
 def patch(ctx: click.Context, name: str, task_name: str | None, limit: int) -> None:
@@ -175,13 +175,15 @@ def patch(ctx: click.Context, name: str, task_name: str | None, limit: int) -> N
     Those are the runs that started before any run recorded the patch and
     have not recorded it themselves. When none is left, the patch can be
     retired (keep the new branch, delete the patched() call and the old one).
-    The count of runs that recorded it stops at 1,000 (printed 1000+).
-    Exit status 0 when none is left, 3 when some are.
+    The count of runs that recorded it stops at 1,000 (printed 1000+), and
+    the oldest --limit runs are listed (the line above them says when there are
+    more). Exit status 0 when none is left, 3 when some are.
     """
     try:
         store = store_for(config_for_app(ctx.obj.app))
+        # One more than shown: whether the list stopped at the limit.
         first, count, old = _admin.patch_progress(store, MARKER_PREFIX + name, task_name,
-                                                  limit, cap=_admin.COUNT_CAP)
+                                                  limit + 1, cap=_admin.COUNT_CAP)
     except DuraflowError as exc:
         _fail(str(exc))
     if first is None:
@@ -192,8 +194,12 @@ def patch(ctx: click.Context, name: str, task_name: str | None, limit: int) -> N
     if not old:
         _echo(ctx, "no unfinished run started before it without it: the old branch can go")
         return
-    _echo(ctx, f"{len(old)} unfinished run(s) may still take the old branch:")
-    for run in old:
+    if len(old) > limit:
+        _echo(ctx, f"more than {limit} unfinished runs may still take the old branch; the "
+                   f"oldest {limit} (--limit shows more):")
+    else:
+        _echo(ctx, f"{len(old)} unfinished run(s) may still take the old branch:")
+    for run in old[:limit]:
         _echo(ctx, f"  {_one_line(run.task_id)}  {_one_line(run.task_name)}  {run.status}  "
                    f"started {when(run.created_at)} UTC")
     sys.exit(3)
@@ -717,7 +723,8 @@ def prune(ctx: click.Context, older_than: timedelta, statuses: list[str],
     it is deleted by a prune once it is older than --tombstones-older-than. Each
     batch is one short transaction, reported on stderr as it commits; an
     interrupted prune keeps the batches it committed, and running it again goes
-    on from there. --dry-run counts up to 1,000 runs (printed 1,000+). Exit
+    on from there. --dry-run counts up to 1,000 runs (printed 1,000+), and the
+    steps of the runs it counted when there are fewer. Exit
     status 0; 1 when the store cannot be reached; 2 for a bad option (such as a
     status of a run that has not ended).
     """
@@ -725,8 +732,8 @@ def prune(ctx: click.Context, older_than: timedelta, statuses: list[str],
     try:
         store = _store(ctx)
         if dry_run:
-            run_count, step_count = _admin.count_prunable(store, older_than=older_than,
-                                                          statuses=chosen, cap=_admin.COUNT_CAP)
+            run_count, dry_steps = _admin.count_prunable(store, older_than=older_than,
+                                                         statuses=chosen, cap=_admin.COUNT_CAP)
             tombstones = _admin.count_tombstones(store, older_than=tombstones_older_than,
                                                  cap=_admin.COUNT_CAP)
         else:
@@ -744,8 +751,8 @@ def prune(ctx: click.Context, older_than: timedelta, statuses: list[str],
     if dry_run:
         graves = (f"{_at_least(tombstones)} tombstone(s) of runs pruned more than "
                   f"{_duration_text(tombstones_older_than)} ago")
-        steps = (f"{step_count}+ steps" if run_count >= _admin.COUNT_CAP
-                 else f"{step_count} steps")
+        steps = ("their steps not counted" if dry_steps is None
+                 else f"{dry_steps} steps")
         bound = (f"; counted up to {_admin.COUNT_CAP:,}, so '+' means at least"
                  if max(run_count, tombstones) >= _admin.COUNT_CAP else "")
         _echo(ctx, f"would prune {_at_least(run_count)} run(s) ({steps}): {scope}; "

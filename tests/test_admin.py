@@ -626,3 +626,36 @@ def test_listing_of_one_status_per_branch_is_merged_newest_first(
     assert [r.task_id for r in listed] == [made[4], made[2], made[1]]
     assert [r.task_id for r in list_runs(store, limit=2)] == [made[4], made[3]]
 
+
+
+def test_patch_lists_the_oldest_runs_up_to_the_limit_and_says_when_there_are_more(
+        make_app: Callable[..., Celery]) -> None:
+    """`patch NAME --limit N` lists the N oldest unfinished runs without the marker and says
+    there are more; with room for all of them it gives their exact number."""
+    app = make_app()
+    store = store_of(app)
+    owner = "some-host|x|1|abc"
+    old = [f"old-{n}-{uuid.uuid4().hex[:6]}" for n in range(3)]
+    for task_id in old:
+        store.begin_attempt(task_id, Delivery(task_name="proj.book_trip", owner=owner))
+    set_times(app, old[:1], created_at=datetime.now(UTC) - timedelta(hours=3))
+    set_times(app, old[1:2], created_at=datetime.now(UTC) - timedelta(hours=2))
+    set_times(app, old[2:], created_at=datetime.now(UTC) - timedelta(hours=1))
+    new = f"new-{uuid.uuid4().hex[:6]}"
+    store.begin_attempt(new, Delivery(task_name="proj.book_trip", owner=owner))
+    assert store.record_step(new, "patched:price-check", owner, status="completed",
+                             output="true", serializer="json", started_at=datetime.now(UTC),
+                             new=True)
+
+    limited = duraflow(app, "patch", "price-check", "--limit", "2")
+    assert limited.exit_code == 3, (limited.output, limited.exception)
+    lines = limited.stdout.splitlines()
+    assert lines[1] == ("more than 2 unfinished runs may still take the old branch; the "
+                        "oldest 2 (--limit shows more):")
+    assert [line.split()[0] for line in lines[2:]] == old[:2]
+
+    every = duraflow(app, "patch", "price-check", "--limit", "3")
+    assert every.exit_code == 3, (every.output, every.exception)
+    lines = every.stdout.splitlines()
+    assert lines[1] == "3 unfinished run(s) may still take the old branch:"
+    assert [line.split()[0] for line in lines[2:]] == old

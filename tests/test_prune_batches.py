@@ -122,7 +122,8 @@ def test_the_prune_command_reports_each_batch(make_app: Callable[..., Celery]) -
 
 def test_dry_run_and_listing_counts_stop_at_the_cap_and_say_so(
         make_app: Callable[..., Celery], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past the cap, the dry run and the listing footer print 'N+' and say they are bounded."""
+    """Past the cap, the dry run and the listing footer print 'N+' and say they are bounded;
+    the dry run counts steps only below it."""
     app = make_app()
     store = _store(app)
     _fill(store, 7, days_ago=40)
@@ -138,7 +139,10 @@ def test_dry_run_and_listing_counts_stop_at_the_cap_and_say_so(
 
     dry = _duraflow(app, "prune", "--older-than", "30d", "--dry-run")
     assert dry.exit_code == 0, (dry.output, dry.exception)
-    assert dry.stdout.startswith("would prune 5+ run(s) (10+ steps)")
+    # At the cap the steps are not counted: that count would grow with the store.
+    assert dry.stdout.startswith("would prune 5+ run(s) (their steps not counted)")
+    assert _admin.count_prunable(store, older_than=timedelta(days=30), cap=5) == (5, None)
+    assert _admin.count_prunable(store, older_than=timedelta(days=30), cap=10) == (9, 18)
     assert "counted up to 5, so '+' means at least" in dry.stdout
     assert _count(store, "runs", live=True) == 9
 
