@@ -9,6 +9,7 @@
         ...
 """
 
+from ._fanout import children
 from ._flow import Concurrency, Debounce, Dedupe, RateLimit
 from ._flow_store import QueuePlace
 from ._history import export_history
@@ -96,6 +97,7 @@ __all__ = [
     "check_history",
     "check_replay",
     "child",
+    "children",
     "durable",
     "export_history",
     "get_run",

@@ -18,7 +18,7 @@ from . import _clock
 RunStatus = Literal["running", "sleeping", "waiting", "succeeded", "failed", "compensated",
                     "cancelled", "ignored", "rejected", "replaced"]
 StepStatus = Literal["running", "completed", "failed", "waiting"]
-WaitKind = Literal["sleep", "signal", "child", "slot", "rate", "debounce"]
+WaitKind = Literal["sleep", "signal", "child", "children", "slot", "rate", "debounce"]
 BodyExit = Literal["return", "break", "continue", "fatal"]
 
 # Run statuses.
@@ -101,6 +101,8 @@ class RunRecord:
     replaced_by: str | None = None
     #: The broker priority of the message that sent the run (None: the queue's default).
     priority: int | None = None
+    #: A child started by ``children()``: the step key of its parent's join.
+    join_key: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> RunRecord:

@@ -108,6 +108,7 @@ def build_tables(prefix: str) -> Tables:
         *_v10_run_columns(),
         *_v11_run_columns(),
         *_v14_run_columns(),
+        *_v15_run_columns(),
         postgresql_with={"fillfactor": RUNS_FILLFACTOR},
     )
     steps = _v5_steps(prefix, metadata)
@@ -123,6 +124,7 @@ def build_tables(prefix: str) -> Tables:
     _v12_indexes(runs)
     _v13_indexes(runs, steps)
     _v14_indexes(runs)
+    _v15_indexes(runs)
     slots, waits, rates, dedupe = flow_tables(prefix, metadata)
     return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps,
                   signals=signals, flow_slots=slots, flow_waits=waits, flow_rates=rates,
@@ -608,6 +610,42 @@ def _v14_flow_control(conn: Connection, tables: Tables) -> None:
         index.create(conn)
 
 
+# The statuses of a run that has not ended, written out as V12_FINISHED is.
+V15_UNFINISHED = ("running", "sleeping", "waiting")
+
+
+def _v15_run_columns() -> list[Column[object]]:
+    # A child started by children(): the step key of the parent's join it belongs to
+    # (its parent is parent_id). NULL for every other run, a child() child included.
+    return [Column("join_key", String(STEP_KEY_LENGTH), nullable=True)]
+
+
+def _v15_indexes(runs: Table) -> list[Index]:
+    """The children of a join that have not ended, and the parents waiting on a join.
+
+    A child's end asks whether any sibling of its join is still open, and a parent
+    suspending on a join asks the same: the first index holds only the open
+    children of joins, so the answer is one probe however many children ended
+    (an ended child's entry goes with its row version). The second is the sweep's
+    periodic look at parents waiting on a join (as version 14's for one child).
+    The values are written out, as in version 12.
+    """
+    prefix = runs.name.removesuffix("runs")
+    open_child = and_(runs.c.join_key.is_not(None), runs.c.status.in_(V15_UNFINISHED))
+    waiting_join = and_(runs.c.status == "waiting", runs.c.wait_kind == "children")
+    return [Index(f"{prefix}runs_open_joins", runs.c.parent_id, runs.c.join_key,
+                  postgresql_where=open_child, sqlite_where=open_child),
+            Index(f"{prefix}runs_waiting_join", runs.c.waiting_for,
+                  postgresql_where=waiting_join, sqlite_where=waiting_join)]
+
+
+def _v15_joins(conn: Connection, tables: Tables) -> None:
+    for column in _v15_run_columns():
+        _add_column(conn, tables.runs.name, column)
+    for index in _v15_indexes(tables.runs):
+        index.create(conn)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -628,6 +666,8 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
     (14, "flow control: concurrency slots and their queues, rate windows, dedupe keys; "
          "runs keep their priority; runs waiting for a child, by child",
      _v14_flow_control),
+    (15, "fan-out: a child run's join, and the indexes of open joins and waiting parents",
+     _v15_joins),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

@@ -146,8 +146,12 @@ def wake_parent(app: Any, run: RunRecord) -> None:
         return
     config = config_for_app(app)
     store = store_for(config)
-    woken = store.wake(run.parent_id, kind="child", waiting_for=run.task_id,
-                       grace=config.lease_seconds)
+    if run.join_key is not None:
+        # One of a join's children: the parent is woken by the end that leaves none open.
+        woken = store.wake_join(run.parent_id, run.join_key, grace=config.lease_seconds)
+    else:
+        woken = store.wake(run.parent_id, kind="child", waiting_for=run.task_id,
+                           grace=config.lease_seconds)
     if woken is not None:
         send_run(app, woken)
         logger.info("child %s (%s) woke its parent %s", run.task_id,

@@ -37,6 +37,7 @@ from sqlalchemy import (
 from ._config import Config
 from ._db import DUPLICATE_KEY, LIKE_ESCAPE, Prepared, like_literal
 from ._flow_store import FlowStatements
+from ._joins_store import JoinStatements
 from ._lease import machine_id
 from ._records import (
     BODY_BREAK,
@@ -119,7 +120,7 @@ __all__ = [
 ]
 
 
-class Store(WaitStatements, FlowStatements):
+class Store(WaitStatements, JoinStatements, FlowStatements):
     """The statements an attempt, a wait and the sweep issue, for one configuration.
 
     The engine, connections, schema and error mapping are :class:`Database`'s.
@@ -664,7 +665,8 @@ class Store(WaitStatements, FlowStatements):
                                   signals.c.name == runs.c.waiting_for))
             .order_by(runs.c.lease_expires_at).limit(limit).subquery()
         )
-        branches = [*due, *([waiting_parents] if parents else []),
+        branches = [*due, *([waiting_parents, self.parents_of_ended_joins(limit)]
+                            if parents else []),
                     *([signalled] if arrivals else [])]
         merged = union_all(*(select(branch) for branch in branches)).subquery("found")
         # A run both due and arrived comes once (UNION ALL keeps both copies).

@@ -16,9 +16,11 @@ the sweep's periodic look at waiting parents.
 from __future__ import annotations
 
 from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import exists, select, update
 from sqlalchemy.engine import Connection
+from sqlalchemy.sql.elements import ColumnElement
 
 from ._db import Database
 from ._records import (
@@ -39,15 +41,22 @@ from ._records import (
 class WaitStatements(Database):
     """Suspend and wake runs; store and read signals; record child runs."""
 
+    if TYPE_CHECKING:  # the join statements, which a Store has too (see _joins_store)
+        def join_is_open(self, parent_id: Any, join_key: Any) -> ColumnElement[bool]: ...
+
+        def lock_open_children(self, conn: Connection, parent_id: str,
+                               join_key: str) -> None: ...
+
     def suspend(self, task_id: str, owner: str, *, status: RunStatus, kind: WaitKind,
                 waiting_for: str, wake_at: datetime | None, sweep_at: datetime | None) -> bool:
         """End this attempt without ending the run: it sleeps or waits, holding no lease.
 
         The sweep sends the run again at ``sweep_at`` (None: never by time).
         A signal wait is not suspended if its signal is already stored, nor a
-        child wait if the child already finished (checked in the statement that
-        suspends). For a signal wait the run's row is locked first, as
-        :meth:`put_signal` locks it, so a signal stored at the same moment either
+        child wait if the child already finished, nor a wait on a join if none of
+        its children is open (checked in the statement that suspends). For a
+        signal wait the run's row is locked first, as :meth:`put_signal` locks
+        it, so a signal stored at the same moment either
         is seen here or finds the run waiting and wakes it. For a child wait the
         child's row is locked (shared) first, and a child's end writes that row:
         an end that lands at that moment either is seen here or commits after the
@@ -66,6 +75,8 @@ class WaitStatements(Database):
         elif kind == "child":
             condition.append(~exists().where(child.c.task_id == waiting_for,
                                              child.c.status.in_(FINISHED)))
+        elif kind == "children":
+            condition.append(self.join_is_open(task_id, waiting_for))
         action = f"recording that the run is {status}"
 
         def suspended(conn: Connection) -> bool:
@@ -76,11 +87,14 @@ class WaitStatements(Database):
                         wake_at=wake_at, lease_owner=None, lease_expires_at=sweep_at,
                         updated_at=utc_now(), interrupted=False)).rowcount)
 
-        if kind not in ("signal", "child"):
+        if kind not in ("signal", "child", "children"):
             with self._write(action, task_id) as conn:
                 return suspended(conn)
         with self.transaction(action, task_id) as conn:
-            if kind == "signal":
+            if kind == "children":
+                # As for one child, each open child of the join (see _joins_store).
+                self.lock_open_children(conn, task_id, waiting_for)
+            elif kind == "signal":
                 # The row first: a signal being stored now holds it until it commits, and
                 # the check, a statement of its own, then sees that signal (put_signal).
                 self._lock_run(conn, task_id)

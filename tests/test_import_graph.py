@@ -275,8 +275,8 @@ def test_the_import_reader_resolves_relative_and_hidden_imports() -> None:
 
 # The store layer: the only modules that may speak SQLAlchemy (and so write SQL).
 STORE_LAYER = {f"{PACKAGE}.{name}" for name in
-               ("_db", "_records", "_schema", "_store", "_waits_store", "_flow_schema",
-                "_flow_store", "_admin", "_atomic",
+               ("_db", "_records", "_schema", "_store", "_waits_store", "_joins_store",
+                "_flow_schema", "_flow_store", "_admin", "_atomic",
                 # what the store's server says of its standbys (read at a worker's start)
                 "_replication",
                 # an atomic step's transaction on Django's connection, lent to SQLAlchemy

@@ -106,7 +106,7 @@ def test_a_version_11_database_upgrades_keeping_every_row(
              for row, old in zip(rows, before[name], strict=True)]
     assert [{k: row[k] for k in old} for row, old in pairs] == [old for _, old in pairs]
     assert {k: v for row, old in pairs for k, v in row.items() if k not in old} == {
-        "priority": None}
+        "priority": None, "join_key": None}
     assert sum(len(rows) for rows in before.values()) == len(runs) + 3 + 1
     with engine.connect() as conn:
         version = conn.execute(select(tables.schema_version.c.version)

@@ -40,7 +40,7 @@ def _index_definitions(engine: Engine, table: str) -> dict[str, str]:
 
 
 # Columns that versions after 13 added to runs and steps.
-_LATER_COLUMNS = frozenset({"priority"})
+_LATER_COLUMNS = frozenset({"priority", "join_key"})
 
 
 def _rows(engine: Engine, store: Store) -> dict[str, list[tuple[Any, ...]]]:
@@ -54,14 +54,15 @@ def _rows(engine: Engine, store: Store) -> dict[str, list[tuple[Any, ...]]]:
 
 def test_the_indexes_of_a_new_database(make_app: Callable[..., Celery]) -> None:
     """A new database has version 13's run indexes, the listing ones partial on live runs,
-    and version 14's index of the runs waiting for a child."""
+    version 14's index of the runs waiting for a child, and version 15's of joins."""
     store = _store(make_app())
     store.ensure_schema()
     prefix = store.config.table_prefix
     runs = {name.removeprefix(prefix): sql for name, sql in
             _index_definitions(store.engine, store.tables.runs.name).items()
             if name.startswith(prefix)}
-    assert set(runs) - {"runs_pkey"} == RUN_INDEXES | {"runs_waiting_child"}
+    assert set(runs) - {"runs_pkey"} == RUN_INDEXES | {"runs_waiting_child", "runs_open_joins",
+                                                       "runs_waiting_join"}
     assert "'waiting'" in runs["runs_waiting_child"] and "'child'" in runs["runs_waiting_child"]
     for listing in ("runs_status_created", "runs_task_status_created"):
         assert "pruned_at is null" in runs[listing]

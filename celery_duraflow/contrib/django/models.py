@@ -106,6 +106,7 @@ class Run(ReadOnlyModel):
     pruned_at = models.DateTimeField(null=True)
     replaced_by = models.CharField(max_length=TASK_ID_LENGTH, null=True)
     priority = models.SmallIntegerField(null=True)
+    join_key = models.CharField(max_length=STEP_KEY_LENGTH, null=True)
 
     class Meta:
         managed = False
