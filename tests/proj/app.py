@@ -49,7 +49,8 @@ TABLE_PREFIX = os.environ.get("PROJ_TABLE_PREFIX") or "proj_"
 app = Celery("proj", broker=BROKER_URL, backend=RESULT_BACKEND,
              include=[f"{__package__}.tasks", f"{__package__}.chaos", f"{__package__}.waits",
                       f"{__package__}.citizen", f"{__package__}.replay",
-                      f"{__package__}.clocks", f"{__package__}.flow"])
+                      f"{__package__}.clocks", f"{__package__}.flow",
+                      f"{__package__}.fanout"])
 app.conf.update(
     duraflow_database_url=DATABASE_URL,
     duraflow_table_prefix=TABLE_PREFIX,
