@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any, Protocol
@@ -66,10 +66,24 @@ def waits_for(kind: str | None, waiting_for: str | None, wake_at: datetime | Non
         what = (f"the rate limit of {waiting_for!r}" if kind == "rate"
                 else f"the end of a burst of sends of {waiting_for!r}")
         return f"{what} until {when(wake_at)} UTC" if wake_at is not None else what
-    what = f"{kind} {waiting_for!r}" if kind in ("sleep", "signal") else f"{kind} {waiting_for}"
+    if kind == "children":
+        what = f"the children of step {waiting_for!r}"
+    elif kind in ("sleep", "signal"):
+        what = f"{kind} {waiting_for!r}"
+    else:
+        what = f"{kind} {waiting_for}"
     if wake_at is not None:
         return f"{what} until {when(wake_at)} UTC"
     return f"{what} (no timeout)" if say_no_timeout and kind != "sleep" else what
+
+
+def join_summary(key: str, counts: Mapping[str, int]) -> str:
+    """How far the children a run started at step ``key`` (``children()``) have got:
+    ``step 'fan': 412 of 500 ended (3 failed, 88 running, 409 succeeded)``."""
+    total = sum(counts.values())
+    ended = sum(count for status, count in counts.items() if status in FINISHED)
+    parts = ", ".join(f"{count} {status}" for status, count in sorted(counts.items()))
+    return f"step {key!r}: {ended} of {total} ended ({parts})"
 
 
 def queue_note(places: Sequence[QueuePlace]) -> str:

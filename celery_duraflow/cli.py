@@ -28,6 +28,7 @@ from . import _admin, _clock, _history, _replay
 from ._config import config_for_app
 from ._format import (
     clip,
+    join_summary,
     json_default,
     json_text,
     queue_note,
@@ -441,7 +442,8 @@ def _value_line(value: Any, width: int | None) -> str:
     return _clip(json_text(value), width)
 
 
-def _show_json(run: RunView, record: RunRecord | None) -> dict[str, Any]:
+def _show_json(run: RunView, record: RunRecord | None,
+               joins: dict[str, dict[str, int]]) -> dict[str, Any]:
     data = dataclasses.asdict(run)
     data["steps"] = [
         {**dataclasses.asdict(view),
@@ -452,10 +454,13 @@ def _show_json(run: RunView, record: RunRecord | None) -> dict[str, Any]:
     if record is not None:
         # Whether the latest attempt's worker was lost: on the row, not in the view.
         data["interrupted"] = record.interrupted
+    # The children of each children() join, counted by status, by the join's step key.
+    data["joins"] = joins
     return data
 
 
-def _show_header(run: RunView, cut: bool) -> list[tuple[str, str]]:
+def _show_header(run: RunView, cut: bool,
+                 joins: dict[str, dict[str, int]]) -> list[tuple[str, str]]:
     status = run.status
     waits = waits_for(run.wait_kind, run.waiting_for, run.wake_at)
     if waits:
@@ -474,6 +479,7 @@ def _show_header(run: RunView, cut: bool) -> list[tuple[str, str]]:
         lines.append(("result", _value_line(run.result, OUTPUT_WIDTH if cut else None)))
     lines += [("error", _clip(run.error, 200 if cut else None) if run.error else "-"),
               ("parent", run.parent_id or "-"),
+              *[("children", join_summary(key, counts)) for key, counts in joins.items()],
               ("code", run.code_fingerprint[:16] if run.code_fingerprint else "-")]
     return lines
 
@@ -501,17 +507,18 @@ def show(ctx: click.Context, task_id: str, as_json: bool) -> None:
     try:
         run = get_run(task_id, app=app)
         record = _store(ctx).get_run(task_id) if run is not None else None
+        joins = _store(ctx).join_progress(task_id) if run is not None else {}
     except DuraflowError as exc:
         _fail(str(exc))
     if run is None:
         _fail(f"no run with task id {task_id} is recorded")
     if as_json:
-        _print_json(ctx, _show_json(run, record))
+        _print_json(ctx, _show_json(run, record, joins))
         return
     # On a terminal outputs are cut short, and the table is fitted to its width; into a
     # pipe or a file nothing is cut.
     cut = _terminal_width() is not None
-    header = _show_header(run, cut)
+    header = _show_header(run, cut, joins)
     label_width = max(len(label) for label, _ in header)
     for label, value in header:
         _echo(ctx, f"{label.ljust(label_width)}  {_one_line(value)}")

@@ -10,6 +10,7 @@ forced on PostgreSQL with row locks.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -359,3 +360,49 @@ def test_the_last_end_racing_the_suspension_always_wakes_the_parent(
     else:
         assert outcomes["woken"] is None and run.status == "running"
         assert run.lease_owner == OWNER
+
+
+# -- what the operator sees -------------------------------------------------------------------
+
+
+def test_the_cli_and_the_web_view_show_each_joins_progress(
+        make_app: Callable[..., Celery]) -> None:
+    """`show` (text and JSON) and the web view's run page give, per join, how many of its
+    children ended, by status: while they run and once they ended."""
+    from celery.bin.celery import celery as celery_command
+    from click.testing import CliRunner
+
+    from tests.test_web import logged_in
+
+    store = _store(make_app)
+    parent, ids = _join(store, 3)
+    assert store.finish_run(ids[0], f"{OWNER}-{ids[0]}", "failed", error="E")
+    assert store.join_progress(parent) == {"fan": {"failed": 1, "running": 2}}
+
+    app = make_app()
+
+    @app.task(base=DurableTask)
+    def leg(n: int) -> int:
+        if n == 1:
+            raise ValueError("no seat")
+        return n
+
+    @app.task(base=DurableTask)
+    def trip() -> list[str]:
+        got = children("legs", [leg.s(n) for n in range(3)], return_exceptions=True)
+        return [type(x).__name__ for x in got]
+
+    result = trip.apply()
+    assert result.get() == ["int", "ChildFailed", "int"]
+
+    def show(*args: str) -> str:
+        out = CliRunner().invoke(celery_command, ["-A", app, "duraflow", "show", *args],  # type: ignore[list-item]
+                                 env={"COLUMNS": "200"})
+        assert out.exit_code == 0, (out.output, out.exception)
+        return out.stdout
+
+    assert "children  step 'legs': 3 of 3 ended (1 failed, 2 succeeded)" in show(result.id)
+    assert json.loads(show(result.id, "--json"))["joins"] == {
+        "legs": {"failed": 1, "succeeded": 2}}
+    page = logged_in(app).get(f"/runs/{result.id}").text
+    assert "step &#39;legs&#39;: 3 of 3 ended (1 failed, 2 succeeded)" in page

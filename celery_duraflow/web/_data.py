@@ -14,7 +14,7 @@ from typing import Any
 from .. import _admin
 from .._compensation import COMPENSATION_PREFIX
 from .._config import config_for_app
-from .._format import json_text, step_duration
+from .._format import join_summary, json_text, step_duration
 from .._serialization import Unreadable, decode
 from .._store import (
     FINISHED,
@@ -195,6 +195,8 @@ class RunPage:
     #: Set when some stored value could not be decoded with the configured serializer.
     problem: str | None = None
     errors: list[tuple[str, str]] = field(default_factory=list)
+    #: How far each of the run's children() joins has got, one line each.
+    joins: list[str] = field(default_factory=list)
 
     @property
     def compensations(self) -> list[StepItem]:
@@ -255,5 +257,6 @@ def load_run_page(celery_app: Any, task_id: str) -> RunPage | None:
              for s in view.steps]
     errors = [("run", view.error)] if view.error else []
     errors += [(f"step {s.key}", s.error) for s in view.steps if s.error]
+    joins = [join_summary(key, counts) for key, counts in store.join_progress(task_id).items()]
     return RunPage(view=view, args=args, result=result, steps=steps,
-                   problem=problem, errors=errors)
+                   problem=problem, errors=errors, joins=joins)

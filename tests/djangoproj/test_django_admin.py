@@ -31,7 +31,15 @@ from django.test import Client
 from sqlalchemy import delete
 from sqlalchemy.engine import URL
 
-from celery_duraflow import DurableTask, child, get_run, send_signal, step, wait_for_signal
+from celery_duraflow import (
+    DurableTask,
+    child,
+    children,
+    get_run,
+    send_signal,
+    step,
+    wait_for_signal,
+)
 from celery_duraflow._config import config_for_app
 from celery_duraflow._store import Store, close_all_stores, store_for
 from celery_duraflow.contrib.django import conf
@@ -340,6 +348,24 @@ def test_run_page_of_a_parent_links_its_child_and_back(app: Celery) -> None:
     child_html = client.get(run_url(child_run.task_id)).content.decode()
     assert f"Child of run {result.id}" in section(child_html, "duraflow-waits")
     assert f'href="{run_url(result.id)}"' in child_html
+
+
+def test_run_page_of_a_fan_out_counts_its_children_by_status(app: Celery) -> None:
+    """A parent of a children() join shows how many of them ended, by status, and lists its
+    child runs."""
+    tasks = define_tasks(app)
+
+    @app.task(base=DurableTask)
+    def parent() -> Any:
+        return children("bookings", [tasks.book.s(n) for n in range(3)])
+
+    with worker(app):
+        result = parent.delay()
+        assert result.get(timeout=30) == [{"booked": True}] * 3
+    client = client_with("view_run")
+    waits = section(client.get(run_url(result.id)).content.decode(), "duraflow-waits")
+    assert "Children of step 'bookings': 3 of 3 ended (3 succeeded)." in waits
+    assert waits.count("test_django_admin.book succeeded") == 3
 
 
 # -- actions ----------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from ..._compensation import COMPENSATION_PREFIX
 from ..._config import app_and_config
 from ..._format import (
     clip,
+    join_summary,
     json_text,
     queue_note,
     run_note,
@@ -68,6 +69,8 @@ logger = logging.getLogger("celery_duraflow.contrib.django.admin")
 MAX_SHOWN = 20_000
 #: Longest preview of a step's output or error in the steps table.
 PREVIEW = 200
+# The most child runs listed on a run's page (a children() join may start thousands).
+CHILDREN_SHOWN = 100
 #: The buttons of a run's page, each at ``<run>/<action>/``.
 RUN_ACTIONS = ("approve", "reject", "cancel", "retry")
 #: How many task ids one message names before saying how many more.
@@ -361,10 +364,15 @@ class RunAdmin(admin.ModelAdmin):
         alias = conf.store_alias()
         steps = list(Step.objects.using(alias).filter(run_id=run.task_id))
         signals = list(Signal.objects.using(alias).filter(run_id=run.task_id))
+        # The first children only: a children() join may have thousands, which the
+        # summaries of the joins count by status.
         children = list(Run.objects.using(alias).filter(parent_id=run.task_id,
                                                         pruned_at__isnull=True)
                         .order_by("created_at", "task_id")
-                        .only("task_id", "task_name", "status", "created_at"))
+                        .only("task_id", "task_name", "status",
+                              "created_at")[:CHILDREN_SHOWN + 1])
+        joins = [join_summary(key, counts) for key, counts in
+                 store_for(conf.store_config()).join_progress(run.task_id).items()]
         def link(task_id: str) -> str:
             return self._url("change", task_id)
 
@@ -400,7 +408,10 @@ class RunAdmin(admin.ModelAdmin):
                                   step_key=sig.name, what="signal payload"),
             } for sig in signals],
             "children": [{"run": child, "url": link(child.task_id),
-                          "created_at": shown_time(child.created_at)} for child in children],
+                          "created_at": shown_time(child.created_at)}
+                         for child in children[:CHILDREN_SHOWN]],
+            "more_children": len(children) > CHILDREN_SHOWN,
+            "joins": joins,
             "parent_url": link(run.parent_id) if run.parent_id else None,
             "waiting_signal": waiting_signal,
             "retry_steps": [row["key"] for row in rows if not row["compensation"]],
