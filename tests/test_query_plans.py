@@ -191,3 +191,30 @@ def test_patch_lookup_uses_the_marker_index(big: DuraflowBench) -> None:
     statements += _capture(lambda: _admin.patch_progress(store, f"patched:{MARKER}",
                                                          TASK_NAMES[0], cap=_admin.COUNT_CAP))
     assert _check(big, statements) == 6
+
+
+def test_a_fan_out_join_reads_its_children_by_index(big: DuraflowBench) -> None:
+    """Recording a join's children, the suspension on the join, a child's end waking the
+    parent, the join's read and progress, and the sweep's look at parents of ended joins
+    use indexes (the index of open joins, of a run's children, of waiting parents)."""
+    from celery_duraflow._fanout import join_child_id
+    from celery_duraflow._joins_store import NewChild
+    from celery_duraflow._store import Delivery
+
+    store = big.store
+    owner = "plans-host|x|1|abc"
+    parent = f"plans-{uuid.uuid4()}"
+    store.begin_attempt(parent, Delivery(task_name=TASK_NAMES[0], owner=owner))
+    ids = [join_child_id(parent, "fan", n) for n in range(20)]
+    statements = _capture(lambda: store.create_join_children(
+        parent, "fan", [NewChild(task_id=i, task_name=TASK_NAMES[1], args="[]") for i in ids]))
+    statements += _capture(lambda: store.suspend(
+        parent, owner, status="waiting", kind="children", waiting_for="fan", wake_at=None,
+        sweep_at=None))
+    statements += _capture(lambda: store.wake_join(parent, "fan", grace=30.0))
+    statements += _capture(lambda: store.join_children(parent, "fan"))
+    statements += _capture(lambda: store.join_progress(parent))
+    statements += _capture(lambda: store.recoverable_runs(100, arrivals=False, parents=True))
+    # Only the statements that read or write the runs table are checked; BEGIN and COMMIT
+    # are not sent as statements of their own here.
+    assert _check(big, statements) >= 7
