@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from contextvars import ContextVar
+import threading
+from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ._lease import keeper
 from ._limits import check_key
-from .errors import DuraflowError, LeaseLost, NonDeterministicReplay, StoreUnavailable
+from .errors import (
+    DuraflowError,
+    LeaseLost,
+    NonDeterministicReplay,
+    StoreUnavailable,
+    UnsupportedCode,
+)
 
 logger = logging.getLogger("celery_duraflow.replay")
 
@@ -40,13 +48,15 @@ class RunContext:
     recorded_any: bool = False
     # Occurrences of each step name, counted within its parent step ("" at the top).
     occurrences: dict[tuple[str, str], int] = field(default_factory=dict)
-    # Steps entered and not yet exited, innermost last.
-    stack: list[StepContext] = field(default_factory=list)
     # How many steps this attempt has reached in each parent step ("" at the top).
     reached: dict[str, int] = field(default_factory=dict)
-    # Steps entered by the `with` statement whose body has not started yet: the body's
-    # guard hands them its code fingerprint.
-    entered: list[StepContext] = field(default_factory=list)
+    # Steps whose body is running, by the key of their parent step ("" at the top): a
+    # step reached beside one of them by another task or thread is refused (see
+    # :meth:`check_concurrent`).
+    active: dict[str, list[StepContext]] = field(default_factory=dict)
+    # Per thread: the steps entered by a `with` statement whose body has not started yet
+    # (the body's guard hands them its code fingerprint); see :attr:`entered`.
+    _entered: dict[int, list[StepContext]] = field(default_factory=dict)
     # An error that ends the run for good (a divergence, an output that cannot be
     # stored, a key the store cannot hold): no retry may run it again on the same record.
     fatal: DuraflowError | None = None
@@ -81,6 +91,62 @@ class RunContext:
     # A step body ran in this attempt and its end was not recorded: whatever way the
     # attempt ends, the run is left interrupted, so the next attempt finds it in doubt.
     unrecorded: bool = False
+
+    @property
+    def stack(self) -> tuple[StepContext, ...]:
+        """The steps entered and not yet exited in this context (thread or asyncio task),
+        innermost last. Each context has its own: the branches of a parallel() and the
+        tasks of an asyncio.gather() start from the steps open where they were created,
+        and what one of them enters the others do not see."""
+        frames = _frames.get(_NO_FRAMES)
+        return frames.steps if frames.run is self else ()
+
+    def push(self, step: StepContext) -> None:
+        """``step`` is entered in this context."""
+        _frames.set(Frames(self, (*self.stack, step)))
+
+    def pop(self, step: StepContext) -> None:
+        """``step`` is exited in this context (a no-op where it was not entered)."""
+        steps = self.stack
+        if steps and steps[-1] is step:
+            _frames.set(Frames(self, steps[:-1]))
+        elif step in steps:  # pragma: no cover - a generator left a step open
+            _frames.set(Frames(self, tuple(s for s in steps if s is not step)))
+
+    @property
+    def entered(self) -> list[StepContext]:
+        """This thread's steps entered by a ``with`` whose body has not started yet (a
+        ``with`` statement and the guard of its body run in one thread, with no await
+        between them)."""
+        return self._entered.setdefault(threading.get_ident(), [])
+
+    @entered.setter
+    def entered(self, steps: list[StepContext]) -> None:
+        self._entered[threading.get_ident()] = steps
+
+    def check_concurrent(self, parent: str, name: str) -> None:
+        """Refuse a step reached in ``parent`` while a sibling's body runs in another task
+        or thread: which of the two reaches its key first would depend on timing, and
+        their records could not be matched on a replay. A step that is nested in the one
+        whose body runs here, or that another task starts for it (``BodyTasks``), is
+        not beside it. Branches of :func:`~celery_duraflow.parallel` each have a parent
+        of their own."""
+        running = self.active.get(parent)
+        if not running:
+            return
+        here = runner()
+        for sibling in running:
+            if sibling.runner is here or _body_of_get() is sibling:
+                continue
+            error = UnsupportedCode(
+                f"step {name!r} of task {self.task_id} was reached while step "
+                f"{sibling.key!r} is running in another asyncio task or thread. Steps that "
+                "run at the same time must get their keys in an order that does not depend "
+                "on timing: create them before they run (asyncio.gather(step('a').arun(f), "
+                "step('b').arun(g))), or give each branch a scope of its own with "
+                "parallel() or aparallel().", task_id=self.task_id, step_key=name)
+            self.fatal = error
+            raise error
 
     def store_failed(self, error: StoreUnavailable, key: str, *, ran: bool,
                      atomic: bool = False) -> StoreUnavailable:
@@ -201,6 +267,7 @@ class RunContext:
         for good: a retry would reach the same key.
         """
         parent = self.stack[-1].key if self.stack else ""
+        self.check_concurrent(parent, name)
         count = self.occurrences.get((parent, name), 0) + 1
         key = name if count == 1 else f"{name}#{count}"
         key = f"{parent}/{key}" if parent else key
@@ -278,6 +345,47 @@ class Unwind(BaseException):
 
 # Reset in a ``finally`` by DurableTask.__call__: worker pools reuse threads.
 current_run: ContextVar[RunContext | None] = ContextVar("celery_duraflow_run", default=None)
+
+
+@dataclass(frozen=True)
+class Frames:
+    """The steps open in one context, and the attempt they belong to."""
+
+    run: RunContext | None
+    steps: tuple[StepContext, ...]
+
+
+# Immutable, set anew on every change: a context copied for a task or a thread keeps what
+# was open when it was copied, and nothing it enters shows in another context.
+_NO_FRAMES = Frames(None, ())
+_frames: ContextVar[Frames] = ContextVar("celery_duraflow_frames")
+
+
+def enter_run(ctx: RunContext) -> tuple[Token[RunContext | None], Token[Frames]]:
+    """Make ``ctx`` the attempt of this context, with no step open; undo with
+    :func:`leave_run` (an eager attempt may run inside a step of another)."""
+    return current_run.set(ctx), _frames.set(Frames(ctx, ()))
+
+
+def leave_run(tokens: tuple[Token[RunContext | None], Token[Frames]]) -> None:
+    run_token, frames_token = tokens
+    _frames.reset(frames_token)
+    current_run.reset(run_token)
+
+
+def runner() -> object:
+    """What runs the code here: its asyncio task, or else its thread."""
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        task = None
+    return task if task is not None else threading.current_thread()
+
+
+def _body_of_get() -> StepContext | None:
+    from ._step import _body_of
+
+    return _body_of.get()
 
 
 def get_current_run() -> RunContext | None:

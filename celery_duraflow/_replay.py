@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from ._admin import list_runs
 from ._config import Config, app_and_config
-from ._context import ReplayStop, RunContext, current_run
+from ._context import ReplayStop, RunContext, enter_run, leave_run
 from ._fingerprint import code_fingerprint
 from ._history import History, history_of, load
 from ._records import RUNNING, SLEEPING, WAITING
@@ -144,7 +144,7 @@ def replay_history(history: History, *, app: Any, config: Config,
                      serializer=get_serializer(config.serializer),
                      serializer_name=config.serializer, recorded=dict(history.steps),
                      task=task, config=config, celery_id=run.task_id, dry=True)
-    token = current_run.set(ctx)
+    token = enter_run(ctx)
     task.push_request(id=run.task_id, retries=run.retries, args=args, kwargs=kwargs,
                       is_eager=True, delivery_info={})
     try:
@@ -170,7 +170,7 @@ def replay_history(history: History, *, app: Any, config: Config,
             "reaching anything a live attempt would run or record"))
     finally:
         task.pop_request()
-        current_run.reset(token)
+        leave_run(token)
     return ReplayResult(**base, verdict="compatible", notes=tuple(ctx.notes), message=(
         f"task {run.task_id} replays as recorded to the end of its code: a live attempt "
         "would finish the run"))

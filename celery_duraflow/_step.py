@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
 
 from . import _clock
 from ._atomic import AtomicTransaction
-from ._context import ReplayStop, RunContext, Suspended, Unwind, current_run, describe
+from ._context import (
+    ReplayStop,
+    RunContext,
+    Suspended,
+    Unwind,
+    current_run,
+    describe,
+    runner,
+)
 from ._fingerprint import code_fingerprint
 from ._lease import keeper
 from ._limits import shown
@@ -176,6 +184,7 @@ class StepContext:
         "name",
         "position",
         "result",
+        "runner",
     )
 
     def __init__(self, name: str, *, input: Any = _NO_INPUT,
@@ -201,12 +210,14 @@ class StepContext:
             )
         self._ctx: RunContext = ctx
         # The asyncio task whose .arun() is running this step's body (None for a step
-        # entered in synchronous code): no other task may reach a step of the run meanwhile.
-        # A step nested in such a body belongs to the same task.
+        # entered in synchronous code). A step nested in such a body belongs to that task.
         self._atask: asyncio.Task[Any] | None = None
         if ctx.stack and ctx.stack[-1]._atask is not None:
-            _refuse_concurrent(ctx, name, ctx.stack[-1])
             self._atask = ctx.stack[-1]._atask
+        #: What runs the step's body (its asyncio task, or else its thread), once begun.
+        self.runner: object = None
+        # The key is taken here, where the step is created, in the order the code creates
+        # steps (a step created next to one whose body runs elsewhere is refused).
         self.key, self.position = ctx.next_key(name)
         ctx.check_order(self.key, self.position)
         self._input_fp: str | None = None
@@ -368,8 +379,7 @@ class StepContext:
             )
         self._entered = True
         ctx = self._ctx
-        if ctx.stack and ctx.stack[-1]._atask is not None:
-            _refuse_concurrent(ctx, self.key, ctx.stack[-1])
+        self.runner = runner()
         if keeper().lost(ctx.task_id, ctx.owner):
             raise self._lease_lost()
         prior = ctx.recorded.get(self.key)
@@ -418,7 +428,7 @@ class StepContext:
             if self._on_in_doubt == "raise" and not self.atomic:
                 if claim is None:
                     self._use_stored(self._lost_claim())
-                    ctx.stack.append(self)
+                    ctx.push(self)
                     return
                 self._claimed = True
                 self.attempt = claim.attempts
@@ -441,7 +451,8 @@ class StepContext:
                     self._tx = ctx.store.atomic(ctx.task_id, self.key)
                 except StoreUnavailable as exc:
                     raise ctx.store_failed(exc, self.key, ran=False) from exc
-        ctx.stack.append(self)
+            ctx.active.setdefault(self.key.rpartition("/")[0], []).append(self)
+        ctx.push(self)
 
     def _lease_lost(self) -> LeaseLost:
         ctx = self._ctx
@@ -509,13 +520,13 @@ class StepContext:
 
     def _end(self, exc: BaseException | None) -> None:
         ctx = self._ctx
-        if ctx.stack and ctx.stack[-1] is self:
-            ctx.stack.pop()
-        elif self in ctx.stack:  # pragma: no cover - a generator left a step open
-            ctx.stack.remove(self)
+        ctx.pop(self)
         if not self._running:
             return  # cached: nothing to record
         self._running = False
+        beside = ctx.active.get(self.key.rpartition("/")[0])
+        if beside is not None and self in beside:
+            beside.remove(self)
         tx = self._tx
         if tx is not None:
             self._end_atomic(tx, exc)
@@ -815,7 +826,7 @@ class BodyTasks:
     A step reached from a task created in there, while ``step`` is the innermost
     running step, is nested in ``step`` and allowed, though it runs in another
     asyncio task; a step reached from an unrelated task (a sibling gathered next to
-    it) is still refused by :func:`_refuse_concurrent`.
+    it) is still refused (:meth:`RunContext.check_concurrent`).
     """
 
     __slots__ = ("_step", "_token")
@@ -831,30 +842,6 @@ class BodyTasks:
         if self._token is not None:
             _body_of.reset(self._token)
             self._token = None
-
-
-def _refuse_concurrent(ctx: RunContext, name: str, running: StepContext) -> None:
-    """Refuse a step reached by another asyncio task while ``running``'s body is awaited."""
-    try:
-        here = asyncio.current_task()
-    except RuntimeError:
-        here = None
-    if here is None or here is running._atask:
-        # The same task, or a thread it waits on (a framework runs a plain function
-        # handed to it in a thread, with the task's context).
-        return
-    if _body_of.get() is running:
-        # A task started by running's own body, inside BodyTasks(running): the step is
-        # nested in running, reached while running waits for it (delegation), not beside it.
-        return
-    error = UnsupportedCode(
-        f"step {name!r} of task {ctx.task_id} was reached while step {running.key!r} is "
-        "running in another asyncio task. The steps of one run must run one at a time: "
-        "the order in which concurrent steps end differs between attempts, so their "
-        "records could not be matched on a replay. Await the steps one after another "
-        "instead of gathering them.", task_id=ctx.task_id, step_key=name)
-    ctx.fatal = error
-    raise error
 
 
 def _decode(ctx: RunContext, record: StepRecord) -> Any:

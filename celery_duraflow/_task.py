@@ -23,7 +23,7 @@ from . import _clock, _flow
 from ._canvas import install_canvas_fixes
 from ._compensation import unwind
 from ._config import Config, config_for_app
-from ._context import RunContext, Suspended, Unwind, current_run, describe
+from ._context import RunContext, Suspended, Unwind, current_run, describe, enter_run, leave_run
 from ._fingerprint import code_fingerprint
 from ._lease import keeper, new_owner, owner_is_gone
 from ._limits import check_task_id
@@ -350,7 +350,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                          recorded=recorded, interrupted=run.interrupted, task=self,
                          config=config, unwinding=run.unwinding, celery_id=celery_id,
                          level=level)
-        token = current_run.set(ctx)
+        token = enter_run(ctx)
         try:
             _flow.enter(ctx, self, args, kwargs, freed.taken if freed is not None else None)
             result = self._run_body(args, kwargs)
@@ -414,7 +414,7 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
                 wake_parent(self._get_app(), run)
             raise
         finally:
-            current_run.reset(token)
+            leave_run(token)
 
         if ctx.outage is not None:
             # The task's code went on after a store error (it caught StoreUnavailable):

@@ -175,18 +175,66 @@ def test_arun_accepts_partials_and_async_callables(make_app: Callable[..., Celer
     assert result.get() == [3, 10]
 
 
-def test_gathered_steps_are_refused(make_app: Callable[..., Celery]) -> None:
-    """Steps awaited concurrently by asyncio.gather fail the run for good, naming both keys."""
+def test_gathered_steps_created_first_run_together_and_replay_in_any_order(
+        make_app: Callable[..., Celery]) -> None:
+    """Steps created in order and awaited together by asyncio.gather run at the same time;
+    one that fails is run again on the retry while its sibling, which ended first in the
+    first attempt, is answered from the store: keys and places do not depend on which
+    ended first, so the replay finds no divergence."""
+    app = make_app()
+    calls: Counter[str] = Counter()
+    running: list[str] = []
+    overlapped: list[bool] = []
+
+    async def work(name: str, seconds: float) -> str:
+        calls[name] += 1
+        running.append(name)
+        overlapped.append(len(running) > 1)
+        await asyncio.sleep(seconds)
+        running.remove(name)
+        if name == "a" and calls[name] == 1:
+            raise Flaky("a fails once, after b has ended")
+        return name
+
+    async def main() -> list[str]:
+        first = await asyncio.gather(step("a").arun(work, "a", 0.05),
+                                     step("b").arun(work, "b", 0.01),
+                                     step("c").arun(work, "c", 0.02))
+        return [*first, await step("after").arun(work, "after", 0)]
+
+    @app.task(base=DurableTask, autoretry_for=(Flaky,), retry_backoff=False, max_retries=3)
+    def task() -> list[str]:
+        return asyncio.run(main())
+
+    result = task.apply()
+    assert result.successful(), result.traceback
+    assert result.get() == ["a", "b", "c", "after"]
+    assert calls == {"a": 2, "b": 1, "c": 1, "after": 1}
+    assert any(overlapped)
+    run = get_run(result.id, app=app)
+    assert run is not None and run.status == "succeeded"
+    assert [(s.key, s.position) for s in sorted(run.steps, key=lambda s: s.position or 0)] == [
+        ("a", 1), ("b", 2), ("c", 3), ("after", 4)]
+
+
+def test_steps_created_inside_gathered_branches_are_refused(
+        make_app: Callable[..., Celery]) -> None:
+    """Branches that each create their step after an await get keys in the order of timing:
+    the step created while another branch's step runs fails the run for good, naming it."""
     app = make_app()
     calls: Counter[str] = Counter()
 
     async def slow(name: str) -> str:
         calls[name] += 1
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
         return name
 
+    async def branch(name: str, delay: float) -> str:
+        await asyncio.sleep(delay)
+        return await step("fetch").arun(slow, name)
+
     async def main() -> list[str]:
-        return list(await asyncio.gather(step("a").arun(slow, "a"), step("b").arun(slow, "b")))
+        return list(await asyncio.gather(branch("a", 0), branch("b", 0.01)))
 
     @app.task(base=DurableTask, autoretry_for=(Exception,), retry_backoff=False, max_retries=3)
     def task() -> list[str]:
@@ -195,7 +243,7 @@ def test_gathered_steps_are_refused(make_app: Callable[..., Celery]) -> None:
     result = task.apply()
     assert result.failed()
     assert isinstance(result.result, UnsupportedCode)
-    assert "'b'" in str(result.result) and "'a'" in str(result.result)
+    assert "'fetch'" in str(result.result) and "aparallel()" in str(result.result)
     assert calls == {"a": 1}
     run = get_run(result.id, app=app)
     assert run is not None and run.status == "failed" and run.attempts == 1

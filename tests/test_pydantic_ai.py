@@ -394,7 +394,7 @@ def test_concurrent_agent_runs_in_one_task_are_refused(make_app: Callable[..., C
 
     result = both.apply()
     assert result.failed()
-    assert len(errors) == 1 and "one at a time" in str(errors[0])
+    assert len(errors) == 1 and "running in another asyncio task" in str(errors[0])
     run = get_run(result.id, app=app)
     assert run is not None and run.status == "failed" and run.attempts == 1
 

@@ -582,7 +582,7 @@ def test_concurrent_agent_runs_inside_one_tool_are_refused(
 
     result = fan.apply()
     assert result.failed()
-    assert len(errors) == 1 and "one at a time" in str(errors[0])
+    assert len(errors) == 1 and "running in another asyncio task" in str(errors[0])
     run = get_run(result.id, app=app)
     assert run is not None and run.status == "failed" and run.attempts == 1
 
