@@ -14,6 +14,7 @@ from ._flow import Concurrency, Debounce, Dedupe, RateLimit
 from ._flow_store import QueuePlace
 from ._history import export_history
 from ._operations import cancel, retry_run
+from ._parallel import aparallel, parallel
 from ._patched import patched
 from ._recovery import recover, recovery_beat_entry
 from ._replay import ReplayResult, check_history, check_replay
@@ -93,6 +94,7 @@ __all__ = [
     "StoreUnavailable",
     "UnsupportedCode",
     "__version__",
+    "aparallel",
     "cancel",
     "check_history",
     "check_replay",
@@ -101,6 +103,7 @@ __all__ = [
     "durable",
     "export_history",
     "get_run",
+    "parallel",
     "patched",
     "recover",
     "recovery_beat_entry",

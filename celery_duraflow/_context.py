@@ -136,7 +136,7 @@ class RunContext:
             return
         here = runner()
         for sibling in running:
-            if sibling.runner is here or _body_of_get() is sibling:
+            if sibling.runner is here or body_of.get() is sibling:
                 continue
             error = UnsupportedCode(
                 f"step {name!r} of task {self.task_id} was reached while step "
@@ -382,10 +382,11 @@ def runner() -> object:
     return task if task is not None else threading.current_thread()
 
 
-def _body_of_get() -> StepContext | None:
-    from ._step import _body_of
-
-    return _body_of.get()
+# The step whose body the code in this context is part of, for a body that hands its work
+# to asyncio tasks it then waits for (an agent framework runs a tool, or a whole agent run,
+# in tasks of its own). The tasks inherit it with the context they are created in; set
+# with ``BodyTasks(step)`` (:mod:`._step`).
+body_of: ContextVar[StepContext | None] = ContextVar("celery_duraflow_body_of", default=None)
 
 
 def get_current_run() -> RunContext | None:

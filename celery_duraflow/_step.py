@@ -9,7 +9,7 @@ import logging
 import sys
 import uuid
 from collections.abc import Awaitable, Callable
-from contextvars import ContextVar, Token
+from contextvars import Token
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn, ParamSpec, TypeVar
@@ -21,6 +21,7 @@ from ._context import (
     RunContext,
     Suspended,
     Unwind,
+    body_of,
     current_run,
     describe,
     runner,
@@ -813,13 +814,6 @@ def leave(blocks: tuple[Block, ...], how: int, value: Any = None) -> Any:
     return value
 
 
-# The step whose body the code in this context is part of, for a body that hands its work
-# to asyncio tasks it then waits for (an agent framework runs a tool, or a whole agent run,
-# in tasks of its own). The tasks inherit it with the context they are created in; set
-# with ``BodyTasks(step)``.
-_body_of: ContextVar[StepContext | None] = ContextVar("celery_duraflow_body_of", default=None)
-
-
 class BodyTasks:
     """``with BodyTasks(step):`` around the code of ``step``'s body that starts other tasks.
 
@@ -836,11 +830,11 @@ class BodyTasks:
         self._token: Token[StepContext | None] | None = None
 
     def __enter__(self) -> None:
-        self._token = _body_of.set(self._step)
+        self._token = body_of.set(self._step)
 
     def __exit__(self, *exc: object) -> None:
         if self._token is not None:
-            _body_of.reset(self._token)
+            body_of.reset(self._token)
             self._token = None
 
 

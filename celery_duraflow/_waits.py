@@ -29,6 +29,7 @@ from ._config import Config, app_and_config
 from ._context import ReplayStop, RunContext, Suspended, current_run, describe
 from ._limits import check_signal_name, check_task_id, moment
 from ._limits import seconds as checked_seconds
+from ._parallel import refuse_wait_in_branch
 from ._send import eta_limit, routing_of, send_recorded, send_run
 from ._serialization import decode, encode_arguments, get_serializer
 from ._step import check_name
@@ -84,6 +85,7 @@ class _Wait:
                 "Celery.",
                 step_key=name,
             )
+        refuse_wait_in_branch(kind, name, ctx)
         atomic = _atomic.innermost()
         if atomic is not None:
             # The run would suspend with the step's transaction open: it must end first.
