@@ -56,6 +56,12 @@ Benchmarks (``--only`` takes a comma-separated list of these names):
     at each size and the ratio, with the write transactions per run and the share of
     backends waiting on locks (:mod:`benchmarks.fleet`).
 
+``parallel``
+    One run of a single 50 ms I/O step against runs of ten of them at once: with
+    ``aparallel()``, with ``asyncio.gather`` of steps created first, and with
+    ``parallel()`` in threads; the time of each over the single step's
+    (:mod:`benchmarks.parallel`).
+
 ``--profile`` adds the per-attempt profile of :func:`benchmarks.profile.attempt_profile`
 (Celery's apply, each Store call, the rest of the library).
 
@@ -124,7 +130,7 @@ from .common import (
 from .workload import HandWritten
 
 BENCHMARKS = ("fresh", "replay", "sqlite", "wal", "dbos", "e2e", "memory", "atomic",
-              "telemetry", "scale", "flow", "fleet")
+              "telemetry", "scale", "flow", "fleet", "parallel")
 # The targets of the commit floor (issue 33): the empty task's fixed cost and a fresh step
 # over one durable commit, and durable over hand-written throughput end to end.
 EMPTY_LIMIT = 2.0
@@ -196,6 +202,8 @@ class Sizes:
     fleet_warmup: int = 20
     fleet_steps: int = 10
     fleet_processes: tuple[int, ...] = (1, 2, 4, 8)
+    # parallel: rounds of each kind of run (after one warm-up round)
+    parallel_rounds: int = 20
 
 
 FULL = Sizes(
@@ -226,6 +234,7 @@ QUICK = Sizes(
     flow_tasks=12, flow_rounds=1, flow_warmup=4, flow_runs=3, flow_local_rounds=1,
     flow_traced=2,
     fleet_tasks=10, fleet_rounds=1, fleet_warmup=2, fleet_processes=(1, 2),
+    parallel_rounds=2,
 )
 
 
@@ -279,6 +288,8 @@ class Harness:
                                 "limit, 3 trivial steps, 4 processes (RabbitMQ)", ">= 0.8x"),
         "fleet": Target("fleet: durable / hand-written throughput at 1, 2, 4 and 8 prefork "
                         "processes (worst)", ">= 0.9x"),
+        "parallel": Target("parallel: ten concurrent 50 ms I/O steps / one such step "
+                           "(worst of aparallel, gather, parallel)", "< 2.0x"),
     })
     errors: list[str] = field(default_factory=list)
     _duraflow: DuraflowBench | None = None
@@ -1291,6 +1302,24 @@ class Harness:
         target.measured = f"{worst['ratio']:.2f}x"
         target.status = "met" if worst["ratio"] >= fleet.TARGET else "NOT met"
         target.note = f"worst at {worst['processes']} processes"
+
+    def bench_parallel(self) -> None:
+        from . import parallel
+
+        lines, data = parallel.concurrent_steps(self.duraflow, self.sizes.parallel_rounds)
+        self.results["parallel"] = data
+        self.section("Concurrent steps", [
+            f"A DurableTask applied in this process, fresh runs, {self.sizes.parallel_rounds} "
+            "rounds after one to warm up, the kinds taking turns: one step whose body waits "
+            f"{parallel.IO_SECONDS * 1000:.0f} ms, and ten such steps at once with "
+            "aparallel(), with asyncio.gather of steps created first, and with parallel() "
+            "in threads. See `benchmarks/parallel.py`.",
+            "",
+            *lines,
+        ])
+        target = self.targets["parallel"]
+        target.measured = f"{data['worst']:.2f}x"
+        target.status = "met" if data["worst"] < parallel.TARGET else "NOT met"
 
     def bench_profile(self) -> None:
         from .profile import attempt_profile

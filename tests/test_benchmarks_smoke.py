@@ -29,6 +29,7 @@ SECTIONS = (
     "## Flow control",
     "### What the limit adds to an attempt",
     "## Scaling the fleet",
+    "## Concurrent steps",
     "## Per-attempt profile",
     "## Targets",
 )
@@ -52,6 +53,8 @@ TARGET_TITLES = (
     "flow: throughput with Concurrency(2, key) not binding / no limit, 3 trivial steps, "
     "4 processes (RabbitMQ)",
     "fleet: durable / hand-written throughput at 1, 2, 4 and 8 prefork processes (worst)",
+    "parallel: ten concurrent 50 ms I/O steps / one such step (worst of aparallel, gather, "
+    "parallel)",
 )
 
 
