@@ -325,12 +325,15 @@ class StepContext:
         The form of :meth:`run` for coroutine functions, with the same rules: on
         a replay ``fn`` is not called, and the same idempotency key, in-doubt
         and fencing apply. The run's context reaches the tasks of an event loop
-        started inside the task (``asyncio.run``). Steps of one run are awaited
-        one at a time: a step reached from another asyncio task while this one's
-        body runs (``asyncio.gather`` of steps) is refused with
-        :class:`~celery_duraflow.UnsupportedCode`, since the order they end in
-        could not be replayed. The step's record is written with the store's
-        blocking driver, so the loop waits for that commit.
+        started inside the task (``asyncio.run``). Steps created first and then
+        awaited together (``asyncio.gather(step("a").arun(f), step("b").arun(g))``)
+        run at the same time: their keys were taken in the order they were
+        created, whatever order they end in. A step created while a sibling's
+        body runs in another task is refused with
+        :class:`~celery_duraflow.UnsupportedCode` (use
+        :func:`~celery_duraflow.aparallel` for branches that create their own
+        steps). The step's record is written with the store's blocking driver,
+        so the loop waits for that commit.
         """
         if not (inspect.iscoroutinefunction(fn)
                 or inspect.iscoroutinefunction(type(fn).__call__)):
