@@ -228,16 +228,26 @@ def database_url(request: pytest.FixtureRequest, table_prefix: str,
     drop_tables(direct, table_prefix)
 
 
+# First, before `-m` selects: `make chaos` (-m "chaos or long") must see the long marker
+# given here to the RabbitMQ variants of the tests marked one_broker.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep the PgBouncer variant of ``database_url`` to the modules marked ``pooled``;
-    skip the tests marked ``long`` unless DURAFLOW_TEST_LONG=1 (``make chaos``)."""
+    skip the tests marked ``long``, and the RabbitMQ variant of those marked
+    ``one_broker``, unless DURAFLOW_TEST_LONG=1 (``make chaos``)."""
     long_skip = pytest.mark.skip(
         reason="long scenario: runs in `make chaos` (DURAFLOW_TEST_LONG=1)")
     kept, dropped = [], []
     for item in items:
+        callspec = getattr(item, "callspec", None)
+        # A delivery scenario that needs no second broker in every run: its RabbitMQ
+        # variant is a long one (the Redis one runs with the suite).
+        on_rabbitmq = (callspec is not None and callspec.params.get("broker") == "rabbitmq"
+                       and item.get_closest_marker("one_broker") is not None)
+        if on_rabbitmq:
+            item.add_marker(pytest.mark.long)
         if not RUN_LONG and item.get_closest_marker("long") is not None:
             item.add_marker(long_skip)
-        callspec = getattr(item, "callspec", None)
         through_pooler = (callspec is not None
                           and callspec.params.get("database_url") == "pgbouncer")
         if through_pooler and item.get_closest_marker("pooled") is None:

@@ -61,6 +61,7 @@ TARGET_TITLES = (
 @pytest.mark.postgres
 @pytest.mark.redis
 @pytest.mark.subprocess
+@pytest.mark.long
 def test_quick_benchmark_run_prints_every_section_and_the_targets(
     pg_url: str, redis_url: str, tmp_path: Path
 ) -> None:

@@ -271,6 +271,7 @@ def wait_for_runs(c: Cluster, count: int, timeout: float,
 
 
 @pytest.mark.chaos
+@pytest.mark.one_broker
 def test_chaos_kills_and_outage(outage_pg: OutageServer, broker: Broker,
                                 tmp_path: Path) -> None:
     """200 runs survive SIGKILLed children and a PostgreSQL outage: each done, charged once.
@@ -342,6 +343,7 @@ def _kills_and_outage(outage_pg: OutageServer, broker: Broker, tmp_path: Path, *
 
 
 @pytest.mark.chaos
+@pytest.mark.long
 def test_chaos_kills_atomic_steps_write_once(pg_url: str, redis_url: str,
                                              tmp_path: Path) -> None:
     """100 runs of atomic ledger steps under SIGKILLs: all succeed, no ledger row twice."""

@@ -276,6 +276,7 @@ def test_embedded_demo_charges_once_and_replays_cached_steps(tmp_path: Path) -> 
     assert list(tmp_path.iterdir()) == []  # its SQLite file lived in a temporary directory
 
 
+@pytest.mark.long
 def test_embedded_demo_auto_approval_is_recorded_in_the_store(tmp_path: Path) -> None:
     """The embedded demo on a SQLite file of ours: the store and the ledger agree with it."""
     url = f"sqlite:///{tmp_path / 'demo.sqlite3'}"
@@ -289,6 +290,7 @@ def test_embedded_demo_auto_approval_is_recorded_in_the_store(tmp_path: Path) ->
     _check_approved_run(_recorded_run(url, trip_id))
 
 
+@pytest.mark.long
 def test_embedded_demo_decline_books_nothing(tmp_path: Path) -> None:
     """`--decline`: the agent stops at the approval, books nothing, and the run succeeds."""
     url = f"sqlite:///{tmp_path / 'demo.sqlite3'}"
@@ -375,6 +377,7 @@ def test_pydantic_ai_demo_replays_model_requests_and_tool_calls(tmp_path: Path) 
     _check_agent_run(_recorded_run(url, trip_id))
 
 
+@pytest.mark.long
 def test_pydantic_ai_demo_decline_books_nothing(tmp_path: Path) -> None:
     """`--pydantic-ai --decline`: book_flight never runs, the model is told, nothing charged."""
     url = f"sqlite:///{tmp_path / 'demo.sqlite3'}"
@@ -497,6 +500,7 @@ def test_pydantic_ai_demo_against_postgres_redis_and_a_worker_process(
 @pytest.mark.postgres
 @pytest.mark.redis
 @pytest.mark.subprocess
+@pytest.mark.long
 def test_mailer_down_against_postgres_redis_and_a_worker_process(
         tmp_path: Path, services_env: dict[str, str]) -> None:
     """`--mailer-down` through Redis and a prefork worker: compensated, 1 charge, 1 refund."""

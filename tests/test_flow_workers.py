@@ -370,6 +370,7 @@ KEYS = 6
 BODY_SECONDS = 0.08
 
 
+@pytest.mark.one_broker
 def test_concurrency_limit_holds_across_prefork_processes(pg_url: str, broker: Broker,
                                                           tmp_path: Path) -> None:
     """300 runs over 6 keys on 4 prefork processes, Concurrency(2): never 3 bodies of a key
@@ -416,6 +417,7 @@ QUEUED_BODY = 1.0
 
 
 @pytest.mark.chaos
+@pytest.mark.one_broker
 def test_a_killed_worker_frees_its_slots_within_a_lease(pg_url: str, broker: Broker,
                                                         tmp_path: Path) -> None:
     """A worker SIGKILLed while its processes hold a key's 2 slots: both go to the queued
@@ -477,6 +479,7 @@ def test_a_killed_worker_frees_its_slots_within_a_lease(pg_url: str, broker: Bro
         assert project.flow_rows() == {"flow_slots": 0, "flow_waits": 0}
 
 
+@pytest.mark.long
 def test_a_run_handed_a_slot_behind_a_broker_backlog_still_succeeds(
         pg_url: str, redis_url: str, tmp_path: Path) -> None:
     """A run handed a slot whose message waits behind a backlog of 6+ leases still succeeds
@@ -604,6 +607,7 @@ def _rate_limit_holds(pg_url: str, broker: Broker, tmp_path: Path, *, task: str,
         assert held_too_long(attempts, QUEUED_ATTEMPT_SLACK) == []
 
 
+@pytest.mark.one_broker
 def test_rate_limit_holds_across_worker_processes(pg_url: str, broker: Broker,
                                                   tmp_path: Path) -> None:
     """RateLimit(10, per=2) over 3 worker processes for 8 s: no 2 s window has 11 starts."""
