@@ -104,10 +104,11 @@ class Cluster:
             return True
         return False
 
-    def start_with_sweeper(self) -> None:
-        """Two prefork workers, ready, and the recovery sweep running every second."""
-        self.start_worker(0)
-        self.start_worker(1)
+    def start_with_sweeper(self, concurrency: int = 2) -> None:
+        """Two prefork workers (of ``concurrency`` pool processes each), ready, and the
+        recovery sweep running every second."""
+        self.start_worker(0, concurrency)
+        self.start_worker(1, concurrency)
         self.wait_ready(2)
         self.sweeper = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "recover",

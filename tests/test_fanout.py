@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -20,7 +19,6 @@ from typing import Any
 
 import pytest
 from celery import Celery
-from sqlalchemy import create_engine, text
 
 from celery_duraflow import (
     ChildFailed,
@@ -36,6 +34,7 @@ from celery_duraflow._fanout import join_child_id
 from celery_duraflow._joins_store import NewChild
 from celery_duraflow._store import Delivery, Store, store_for
 from tests.conftest import run_worker, wait_for_status
+from tests.test_sweep_arrivals import race_the_suspension
 
 RESULT_TIMEOUT = 60.0
 OWNER = "fanout-test-host|x|1|abc"
@@ -318,48 +317,12 @@ def test_the_last_end_racing_the_suspension_always_wakes_the_parent(
     parent, ids = _join(store, 2)
     assert store.finish_run(ids[0], f"{OWNER}-{ids[0]}", "succeeded", result="1",
                             serializer="json")
-    runs = store.tables.runs.name
-    holder = create_engine(pg_url).connect()
-    outcomes: dict[str, Any] = {}
-
-    def suspend() -> None:
-        outcomes["suspended"] = store.suspend(parent, OWNER, status="waiting",
-                                              kind="children", waiting_for="fan",
-                                              wake_at=None, sweep_at=None)
-
-    def end_last() -> None:
-        outcomes["woken"] = _end(store, ids[1])
-
-    suspending = threading.Thread(target=suspend)
-    ending = threading.Thread(target=end_last)
-    try:
-        if first == "suspension":
-            holder.execute(text(f'SELECT 1 FROM "{runs}" WHERE task_id = :t FOR UPDATE'),
-                           {"t": parent})
-            suspending.start()
-            time.sleep(0.3)
-            ending.start()
-            time.sleep(0.5)
-            holder.rollback()
-        else:
-            holder.execute(text(f'UPDATE "{runs}" SET status = \'succeeded\', '
-                                f'lease_owner = NULL WHERE task_id = :t'), {"t": ids[1]})
-            suspending.start()
-            time.sleep(0.5)
-            holder.commit()
-            outcomes["woken"] = store.wake_join(parent, "fan", grace=LEASE)
-        for thread in (suspending, ending):
-            if thread.is_alive():
-                thread.join(10)
-    finally:
-        holder.close()
-    run = store.get_run(parent)
-    assert run is not None
-    if outcomes["suspended"]:
-        assert outcomes["woken"] is not None and run.status == "running", run.status
-    else:
-        assert outcomes["woken"] is None and run.status == "running"
-        assert run.lease_owner == OWNER
+    race_the_suspension(
+        store, pg_url, first, parent=parent, last_child=ids[1],
+        suspend=lambda: store.suspend(parent, OWNER, status="waiting", kind="children",
+                                      waiting_for="fan", wake_at=None, sweep_at=None),
+        end=lambda: _end(store, ids[1]),
+        wake=lambda: store.wake_join(parent, "fan", grace=LEASE), owner=OWNER)
 
 
 # -- what the operator sees -------------------------------------------------------------------

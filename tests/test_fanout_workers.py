@@ -21,8 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from contextlib import suppress
@@ -32,7 +30,6 @@ import pytest
 
 from tests.conftest import Broker
 from tests.test_chaos import (
-    REPO_ROOT,
     Cluster,
     check_executions,
     client_app,
@@ -50,14 +47,7 @@ def _start(c: Cluster) -> None:
     """Two workers of one pool process each, and the sweep every second. The parents send
     their children without naming a queue: the workers' queue is the default one."""
     c.env["PROJ_DEFAULT_QUEUE"] = c.queue
-    c.start_worker(0, concurrency=1)
-    c.start_worker(1, concurrency=1)
-    c.wait_ready(2)
-    c.sweeper = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "tests.proj", "duraflow", "recover",
-         "--interval", "1"], cwd=REPO_ROOT, env=c.env,
-        stdout=open(c.logs / "sweeper.log", "ab"),  # noqa: SIM115
-        stderr=subprocess.STDOUT, start_new_session=True)
+    c.start_with_sweeper(concurrency=1)
 
 
 def _kill_every_child(c: Cluster) -> int:

@@ -83,11 +83,8 @@ def test_a_signal_for_another_name_or_an_ended_run_wakes_nothing(
     assert run is not None and run.status == "succeeded"
 
 
-def test_a_child_end_that_never_woke_its_parent_is_found_by_the_look_at_parents(
-        make_app: Callable[..., Celery]) -> None:
-    """A child that ended while its waker died leaves its parent to the look at waiting
-    parents (a plain pass reads only the due runs, and does not find it)."""
-    store = _store(make_app)
+def _left_waiting(store: Store) -> str:
+    """A parent waiting for a child that ended while its waker died: nobody woke it."""
     parent = str(uuid.uuid4())
     child = f"{parent}/child"
     store.begin_attempt(parent, Delivery(task_name="shop.trip", owner=OWNER))
@@ -98,6 +95,15 @@ def test_a_child_end_that_never_woke_its_parent_is_found_by_the_look_at_parents(
     child_owner = OWNER + "-child"
     store.begin_attempt(child, Delivery(task_name="shop.leg", owner=child_owner))
     assert store.finish_run(child, child_owner, "succeeded", result="1", serializer="json")
+    return parent
+
+
+def test_a_child_end_that_never_woke_its_parent_is_found_by_the_look_at_parents(
+        make_app: Callable[..., Celery]) -> None:
+    """A child that ended while its waker died leaves its parent to the look at waiting
+    parents (a plain pass reads only the due runs, and does not find it)."""
+    store = _store(make_app)
+    parent = _left_waiting(store)
     assert _due(store) == []
     found = store.recoverable_runs(10, arrivals=False, parents=True)
     assert [run.task_id for run in found] == [parent]
@@ -129,16 +135,7 @@ def test_a_sweep_wakes_the_parent_its_childs_waker_left(
     monkeypatch.setattr(_recovery, "send_run", lambda app, run: sent.append(run.task_id))
     monkeypatch.setattr(_recovery, "_unsendable", lambda run, config, registered: None)
     _recovery.sweep(app)  # the first pass in this process, with nothing left behind
-    parent = str(uuid.uuid4())
-    child = f"{parent}/child"
-    store.begin_attempt(parent, Delivery(task_name="shop.trip", owner=OWNER))
-    assert store.create_child_run(child, task_name="shop.leg", parent_id=parent, args="[]",
-                                  exchange=None, routing_key=None)
-    assert store.suspend(parent, OWNER, status="waiting", kind="child", waiting_for=child,
-                         wake_at=None, sweep_at=None)
-    store.begin_attempt(child, Delivery(task_name="shop.leg", owner=OWNER + "-child"))
-    assert store.finish_run(child, OWNER + "-child", "succeeded", result="1",
-                            serializer="json")
+    parent = _left_waiting(store)
     assert _recovery.sweep(app).sent == []  # within the interval: not looked for yet
     looked = _recovery._parents_looked[store]
     _recovery._parents_looked[store] = looked - _recovery.PARENTS_EVERY
@@ -253,25 +250,42 @@ def test_a_child_end_racing_the_suspension_always_wakes_the_parent(
     assert store.create_child_run(child, task_name="shop.leg", parent_id=parent, args="[]",
                                   exchange=None, routing_key=None)
     store.begin_attempt(child, Delivery(task_name="shop.leg", owner=child_owner))
+
+    def suspend() -> bool:
+        return store.suspend(parent, OWNER, status="waiting", kind="child",
+                             waiting_for=child, wake_at=None, sweep_at=None)
+
+    def end_child() -> Any:
+        # What a child's attempt does at its end: record it, then wake the parent.
+        assert store.finish_run(child, child_owner, "succeeded", result="1", serializer="json")
+        return store.wake(parent, kind="child", waiting_for=child, grace=LEASE)
+
+    race_the_suspension(store, pg_url, first, parent=parent, last_child=child,
+                        suspend=suspend, end=end_child,
+                        wake=lambda: store.wake(parent, kind="child", waiting_for=child,
+                                                grace=LEASE))
+
+
+def race_the_suspension(store: Store, pg_url: str, first: str, *, parent: str,
+                        last_child: str, suspend: Callable[[], bool], end: Callable[[], Any],
+                        wake: Callable[[], Any], owner: str = OWNER) -> None:
+    """Force one of the worst orders of a parent's suspension and its (last) child's end,
+    with a lock held by another connection, and check that the parent is never left
+    waiting for a child that ended.
+
+    ``suspension``: the parent's row is held, so the suspension has checked the child (not
+    ended) and waits to write while the child ends and its waker (``end``) looks at the
+    parent. ``child``: the child's end is written, not committed, while the parent
+    suspends; then committed, and ``wake`` is what its waker does. ``owner`` holds the
+    parent's lease.
+    """
     runs = store.tables.runs.name
     holder = create_engine(pg_url).connect()
     outcomes: dict[str, Any] = {}
-
-    def suspend() -> None:
-        outcomes["suspended"] = store.suspend(parent, OWNER, status="waiting", kind="child",
-                                              waiting_for=child, wake_at=None, sweep_at=None)
-
-    def end_child() -> None:
-        # What a child's attempt does at its end: record it, then wake the parent.
-        assert store.finish_run(child, child_owner, "succeeded", result="1", serializer="json")
-        outcomes["woken"] = store.wake(parent, kind="child", waiting_for=child, grace=LEASE)
-
-    suspending = threading.Thread(target=suspend)
-    ending = threading.Thread(target=end_child)
+    suspending = threading.Thread(target=lambda: outcomes.update(suspended=suspend()))
+    ending = threading.Thread(target=lambda: outcomes.update(woken=end()))
     try:
         if first == "suspension":
-            # The parent's row is held: the suspension has read the child (not ended) and
-            # waits to write while the child ends and its waker looks at the parent.
             holder.execute(text(f'SELECT 1 FROM "{runs}" WHERE task_id = :t FOR UPDATE'),
                            {"t": parent})
             suspending.start()
@@ -280,14 +294,12 @@ def test_a_child_end_racing_the_suspension_always_wakes_the_parent(
             time.sleep(0.5)
             holder.rollback()
         else:
-            # The child's end is written, not committed, when the parent suspends.
             holder.execute(text(f'UPDATE "{runs}" SET status = \'succeeded\', '
-                                f'lease_owner = NULL WHERE task_id = :t'), {"t": child})
+                                f'lease_owner = NULL WHERE task_id = :t'), {"t": last_child})
             suspending.start()
             time.sleep(0.5)
             holder.commit()
-            outcomes["woken"] = store.wake(parent, kind="child", waiting_for=child,
-                                           grace=LEASE)
+            outcomes["woken"] = wake()
         for thread in (suspending, ending):
             if thread.is_alive():
                 thread.join(10)
@@ -300,4 +312,4 @@ def test_a_child_end_racing_the_suspension_always_wakes_the_parent(
         assert outcomes["woken"] is not None and run.status == "running", run.status
     else:
         assert outcomes["woken"] is None and run.status == "running"
-        assert run.lease_owner == OWNER
+        assert run.lease_owner == owner
