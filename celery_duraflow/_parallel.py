@@ -54,8 +54,8 @@ def parallel(name: str, branches: Iterable[Callable[[], R]], *,
     branch takes are nested in its own. Every branch runs to its end; if some
     failed, the first failure in the order given is raised once all have ended,
     and a retry runs only the branches that did not complete. ``max_threads``
-    bounds the threads used at once (default: one per branch, at most
-    :data:`MAX_THREADS`). Use :func:`aparallel` in asyncio code.
+    bounds the threads used at once (default: one per branch, at most 32).
+    Use :func:`aparallel` in asyncio code.
     """
     fns = _branches(name, branches, asynchronous=False)
     threads = max_threads if max_threads is not None else min(len(fns), MAX_THREADS)
