@@ -98,20 +98,20 @@ class RunContext:
         innermost last. Each context has its own: the branches of a parallel() and the
         tasks of an asyncio.gather() start from the steps open where they were created,
         and what one of them enters the others do not see."""
-        frames = _frames.get(_NO_FRAMES)
-        return frames.steps if frames.run is self else ()
+        run, steps = _frames.get(_NO_FRAMES)
+        return steps if run is self else ()
 
     def push(self, step: StepContext) -> None:
         """``step`` is entered in this context."""
-        _frames.set(Frames(self, (*self.stack, step)))
+        _frames.set((self, (*self.stack, step)))
 
     def pop(self, step: StepContext) -> None:
         """``step`` is exited in this context (a no-op where it was not entered)."""
         steps = self.stack
         if steps and steps[-1] is step:
-            _frames.set(Frames(self, steps[:-1]))
+            _frames.set((self, steps[:-1]))
         elif step in steps:  # pragma: no cover - a generator left a step open
-            _frames.set(Frames(self, tuple(s for s in steps if s is not step)))
+            _frames.set((self, tuple(s for s in steps if s is not step)))
 
     @property
     def entered(self) -> list[StepContext]:
@@ -266,8 +266,10 @@ class RunContext:
         can hold is refused here, before anything runs or is written, and ends the run
         for good: a retry would reach the same key.
         """
-        parent = self.stack[-1].key if self.stack else ""
-        self.check_concurrent(parent, name)
+        stack = self.stack
+        parent = stack[-1].key if stack else ""
+        if self.active.get(parent):
+            self.check_concurrent(parent, name)
         count = self.occurrences.get((parent, name), 0) + 1
         key = name if count == 1 else f"{name}#{count}"
         key = f"{parent}/{key}" if parent else key
@@ -347,24 +349,20 @@ class Unwind(BaseException):
 current_run: ContextVar[RunContext | None] = ContextVar("celery_duraflow_run", default=None)
 
 
-@dataclass(frozen=True)
-class Frames:
-    """The steps open in one context, and the attempt they belong to."""
-
-    run: RunContext | None
-    steps: tuple[StepContext, ...]
-
+#: The steps open in one context, and the attempt they belong to: (run, steps). A plain
+#: tuple, the cheapest thing to build on the step path.
+Frames = tuple["RunContext | None", tuple["StepContext", ...]]
 
 # Immutable, set anew on every change: a context copied for a task or a thread keeps what
 # was open when it was copied, and nothing it enters shows in another context.
-_NO_FRAMES = Frames(None, ())
+_NO_FRAMES: Frames = (None, ())
 _frames: ContextVar[Frames] = ContextVar("celery_duraflow_frames")
 
 
 def enter_run(ctx: RunContext) -> tuple[Token[RunContext | None], Token[Frames]]:
     """Make ``ctx`` the attempt of this context, with no step open; undo with
     :func:`leave_run` (an eager attempt may run inside a step of another)."""
-    return current_run.set(ctx), _frames.set(Frames(ctx, ()))
+    return current_run.set(ctx), _frames.set((ctx, ()))
 
 
 def leave_run(tokens: tuple[Token[RunContext | None], Token[Frames]]) -> None:
@@ -375,10 +373,8 @@ def leave_run(tokens: tuple[Token[RunContext | None], Token[Frames]]) -> None:
 
 def runner() -> object:
     """What runs the code here: its asyncio task, or else its thread."""
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:
-        task = None
+    loop = asyncio._get_running_loop()  # None outside a loop, without raising
+    task = asyncio.current_task(loop) if loop is not None else None
     return task if task is not None else threading.current_thread()
 
 

@@ -213,8 +213,9 @@ class StepContext:
         # The asyncio task whose .arun() is running this step's body (None for a step
         # entered in synchronous code). A step nested in such a body belongs to that task.
         self._atask: asyncio.Task[Any] | None = None
-        if ctx.stack and ctx.stack[-1]._atask is not None:
-            self._atask = ctx.stack[-1]._atask
+        stack = ctx.stack
+        if stack and stack[-1]._atask is not None:
+            self._atask = stack[-1]._atask
         #: What runs the step's body (its asyncio task, or else its thread), once begun.
         self.runner: object = None
         # The key is taken here, where the step is created, in the order the code creates
@@ -383,7 +384,6 @@ class StepContext:
             )
         self._entered = True
         ctx = self._ctx
-        self.runner = runner()
         if keeper().lost(ctx.task_id, ctx.owner):
             raise self._lease_lost()
         prior = ctx.recorded.get(self.key)
@@ -455,6 +455,8 @@ class StepContext:
                     self._tx = ctx.store.atomic(ctx.task_id, self.key)
                 except StoreUnavailable as exc:
                     raise ctx.store_failed(exc, self.key, ran=False) from exc
+            # Only a step whose body runs is looked at by check_concurrent.
+            self.runner = runner()
             ctx.active.setdefault(self.key.rpartition("/")[0], []).append(self)
         ctx.push(self)
 
