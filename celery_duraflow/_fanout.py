@@ -29,10 +29,10 @@ from typing import Any
 
 from . import _clock
 from ._joins_store import JoinChild, NewChild
-from ._send import routing_of, send_recorded
-from ._serialization import decode, encode_arguments
+from ._send import send_recorded
+from ._serialization import decode
 from ._store import FINISHED, STEP_COMPLETED, STEP_WAITING, SUCCEEDED, WAITING
-from ._waits import _task_name, _Wait
+from ._waits import _task_name, _Wait, child_row
 from .errors import ChildFailed, ChildTimeout, NonDeterministicReplay
 
 logger = logging.getLogger("celery_duraflow.waits")
@@ -90,8 +90,7 @@ def children(name: str, signatures: Iterable[Any], *,
         _start(wait, given, names, ids)
     while True:
         found = ctx.store.join_children(ctx.task_id, wait.key)
-        if all(child_id in found and found[child_id].status in FINISHED
-               for child_id in ids):
+        if _all_ended(ids, found):
             outcome = _ended(wait, ids, found)
             wait.write(STEP_COMPLETED, outcome)
             return _outcome(wait, outcome, return_exceptions)
@@ -106,8 +105,7 @@ def children(name: str, signatures: Iterable[Any], *,
         # Not suspended: every child ended meanwhile (or the lease was lost, which the
         # next read shows as a child still open).
         found = ctx.store.join_children(ctx.task_id, wait.key)
-        if not all(child_id in found and found[child_id].status in FINISHED
-                   for child_id in ids):
+        if not _all_ended(ids, found):
             raise wait.lease_lost()
 
 
@@ -117,13 +115,8 @@ def _start(wait: _Wait, given: list[Any], names: list[str], ids: list[str]) -> N
     ctx = wait.ctx
     rows: list[NewChild] = []
     for signature, task_name, child_id in zip(given, names, ids, strict=True):
-        options = dict(getattr(signature, "options", {}) or {})
-        args = tuple(getattr(signature, "args", ()) or ())
-        kwargs = dict(getattr(signature, "kwargs", {}) or {})
-        blob, _ = encode_arguments(args, kwargs, ctx.serializer, task_id=child_id,
-                                   task_name=task_name, serializer_name=ctx.serializer_name)
-        rows.append(NewChild(task_id=child_id, task_name=task_name, args=blob,
-                             **routing_of(options)))
+        blob, routing = child_row(wait, signature, child_id, task_name)
+        rows.append(NewChild(task_id=child_id, task_name=task_name, args=blob, **routing))
     inserted = set(ctx.store.create_join_children(ctx.task_id, wait.key, rows))
     unsent = inserted
     if len(inserted) < len(ids):
@@ -139,6 +132,10 @@ def _start(wait: _Wait, given: list[Any], names: list[str], ids: list[str]) -> N
             send_recorded(clone)
     logger.info("task %s started %d of %d children at %r", ctx.task_id, len(inserted),
                 len(ids), wait.key)
+
+
+def _all_ended(ids: list[str], found: Mapping[str, JoinChild]) -> bool:
+    return all(child_id in found and found[child_id].status in FINISHED for child_id in ids)
 
 
 def _ended(wait: _Wait, ids: list[str], found: Mapping[str, JoinChild]) -> dict[str, Any]:

@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import functools
-import inspect
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from ._context import RunContext, current_run, describe
-from ._step import StepContext, step
+from ._step import StepContext, is_async, step
 from .errors import NotInDurableTask, UnsupportedCode
 
 R = TypeVar("R")
@@ -89,17 +87,11 @@ def _branches(name: str, branches: Iterable[Any], *, asynchronous: bool) -> list
         if not callable(fn):
             raise TypeError(f"branch {index} of parallel {name!r} in task {ctx.task_id} must be "
                             f"a function taking no arguments, got {describe(fn)}")
-        if asynchronous and not _is_async(fn):
+        if asynchronous and not is_async(fn):
             raise TypeError(f"branch {index} of aparallel {name!r} in task {ctx.task_id} must "
                             f"be a coroutine function (async def), got {describe(fn)}; use "
                             "parallel() for plain functions")
     return fns
-
-
-def _is_async(fn: Any) -> bool:
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
 
 
 def _branch_steps(count: int) -> list[StepContext]:

@@ -140,6 +140,13 @@ def _error_text(exc: BaseException) -> str:
     return stored_text(f"{type(exc).__module__}.{type(exc).__qualname__}: {exc}")
 
 
+
+def is_async(fn: Any) -> bool:
+    """Whether calling ``fn`` gives a coroutine: a coroutine function, a partial of one,
+    or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
 class StepContext:
     """One step of a durable run; see :func:`step`.
 
@@ -336,8 +343,7 @@ class StepContext:
         steps). The step's record is written with the store's blocking driver,
         so the loop waits for that commit.
         """
-        if not (inspect.iscoroutinefunction(fn)
-                or inspect.iscoroutinefunction(type(fn).__call__)):
+        if not is_async(fn):
             # Refused before the body: whatever a plain function does would happen
             # before this step could know whether it must be skipped.
             error = UnsupportedCode(

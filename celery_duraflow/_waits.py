@@ -351,16 +351,24 @@ def _task_name(signature: Any, wait: _Wait) -> str:
     return name
 
 
-def _start_child(wait: _Wait, signature: Any, child_id: str) -> None:
+def child_row(wait: _Wait, signature: Any, child_id: str, task_name: str,
+              ) -> tuple[str, dict[str, Any]]:
+    """A child's recorded arguments and routing, from the signature that starts it."""
     ctx = wait.ctx
     options = dict(getattr(signature, "options", {}) or {})
     args = tuple(getattr(signature, "args", ()) or ())
     kwargs = dict(getattr(signature, "kwargs", {}) or {})
-    task_name = _task_name(signature, wait)
     blob, _ = encode_arguments(args, kwargs, ctx.serializer, task_id=child_id,
                                task_name=task_name, serializer_name=ctx.serializer_name)
+    return blob, routing_of(options)
+
+
+def _start_child(wait: _Wait, signature: Any, child_id: str) -> None:
+    ctx = wait.ctx
+    task_name = _task_name(signature, wait)
+    blob, routing = child_row(wait, signature, child_id, task_name)
     ctx.store.create_child_run(child_id, task_name=task_name,
-                               parent_id=ctx.task_id, args=blob, **routing_of(options))
+                               parent_id=ctx.task_id, args=blob, **routing)
     clone = signature.clone()
     clone.set(task_id=child_id)
     # No broker round trip for the child's result: the parent reads it from the store.
