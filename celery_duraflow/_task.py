@@ -20,7 +20,7 @@ from celery.result import ResultBase
 from kombu.utils.imports import symbol_by_name
 
 from . import _clock, _flow
-from ._canvas import install_canvas_fixes
+from ._canvas import CELERY_BUILTIN_PREFIX, install_canvas_fixes, sent_as_celery_does
 from ._compensation import unwind
 from ._config import Config, config_for_app
 from ._context import RunContext, Suspended, Unwind, current_run, describe, enter_run, leave_run
@@ -72,10 +72,6 @@ OUTAGE_HEADER = "duraflow_outage"
 RETRY_GRACE_LEASES = 10
 # How long a retry that arrives before its predecessor let go of the run waits for it.
 RETRY_HANDOVER_SECONDS = 2.0
-# Celery's own tasks (celery.accumulate, celery.chord_unlock, celery.backend_cleanup...)
-# have no steps. An app-wide task_cls of DurableTask makes them DurableTask subclasses;
-# they run as plain Celery tasks all the same.
-CELERY_BUILTIN_PREFIX = "celery."
 # The run key of a durable replacement: Celery gives a replacement the replaced task's
 # id, and the run of that id belongs to the replaced task.
 REPLACEMENT_MARK = "~r"
@@ -546,7 +542,8 @@ class DurableTask(Task, metaclass=_DurableTaskType):  # type: ignore[misc]
         ctx.replaced = True
         token = _eager_replacement.set((ctx.celery_id, key)) if request.is_eager else None
         try:
-            return super().replace(sig)
+            with sent_as_celery_does():
+                return super().replace(sig)
         finally:
             if token is not None:
                 _eager_replacement.reset(token)
