@@ -41,6 +41,10 @@ MAX_THREADS = 32
 # The key of the parallel branch the code here runs in (None outside any): a wait there
 # is refused, since the run cannot suspend while the other branches run.
 branch_of: ContextVar[str | None] = ContextVar("celery_duraflow_branch", default=None)
+# Set with branch_of by concurrent work that is not a parallel() branch (a durable agent's
+# tool calls run in parallel): what a refused wait calls the place, and what to do instead.
+branch_note: ContextVar[tuple[str, str] | None] = ContextVar("celery_duraflow_branch_note",
+                                                             default=None)
 
 
 def parallel(name: str, branches: Iterable[Callable[[], R]], *,
@@ -140,10 +144,12 @@ def refuse_wait_in_branch(kind: str, name: str, ctx: RunContext) -> None:
     branch = branch_of.get()
     if branch is None:
         return
+    where, advice = branch_note.get() or (
+        f"parallel branch {branch!r}: a run cannot suspend while its other branches run",
+        "Wait before or after the parallel steps, or fan out with children() for work "
+        "that waits.")
     error = UnsupportedCode(
-        f"{kind} {name!r} of task {ctx.task_id} was reached in parallel branch {branch!r}: "
-        "a run cannot suspend while its other branches run. Wait before or after the "
-        "parallel steps, or fan out with children() for work that waits.",
+        f"{kind} {name!r} of task {ctx.task_id} was reached in {where}. {advice}",
         task_id=ctx.task_id, step_key=name)
     ctx.fatal = error
     raise error
