@@ -399,8 +399,9 @@ def test_concurrent_agent_runs_in_one_task_are_refused(make_app: Callable[..., C
     assert run is not None and run.status == "failed" and run.attempts == 1
 
 
-def test_tool_calls_of_one_response_run_one_at_a_time(make_app: Callable[..., Celery]) -> None:
-    """Several tool calls in one model response run sequentially, in order, as numbered steps."""
+def test_tool_calls_of_one_response_run_together_as_steps_numbered_in_order(
+        make_app: Callable[..., Celery]) -> None:
+    """Several tool calls in one model response run at once, numbered in the response's order."""
     app = make_app()
     calls: Counter[str] = Counter()
     running = {"now": 0, "max": 0}
@@ -434,7 +435,7 @@ def test_tool_calls_of_one_response_run_one_at_a_time(make_app: Callable[..., Ce
     result = fetch_all.apply()
     assert result.successful(), result.traceback
     assert result.get() == "got [10, 20, 30]"
-    assert running["max"] == 1 and order == [1, 2, 3]
+    assert running["max"] == 3 and order == [3, 2, 1]
     assert _keys(app, result.id) == ["fetcher:model", "fetcher:tool:fetch",
                                      "fetcher:tool:fetch#2", "fetcher:tool:fetch#3",
                                      "fetcher:model#2"]

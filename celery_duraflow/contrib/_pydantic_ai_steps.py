@@ -6,10 +6,17 @@ step whose output is the call's outcome: its return value, or one of the decisio
 tool may raise for Pydantic AI to act on (``ModelRetry``, ``ToolFailed``,
 ``CallDeferred``, ``ApprovalRequired``, and ``RunCancelled`` from an agent run inside
 the tool), which a replay raises again without running the tool.
+
+The calls of one model response may run at the same time (Pydantic AI's parallel modes),
+so the step of each call is created when the call's arguments pass validation: the graph
+validates the calls of a response one after the other, in response order, before any of
+them runs, so the keys follow the response, whatever order the calls start and end in.
+A call takes its step by its ``tool_call_id`` when it reaches the toolset.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -26,6 +33,7 @@ from pydantic_ai.exceptions import (
     ModelRetry,
     RunCancelled,
     RunTimedOut,
+    SkipToolValidation,
     ToolFailed,
 )
 from pydantic_ai.messages import (
@@ -34,6 +42,7 @@ from pydantic_ai.messages import (
     ModelMessagesTypeAdapter,
     ModelResponse,
     ModelResponseStreamEvent,
+    ToolCallPart,
     ToolReturn,
     is_multi_modal_content,
 )
@@ -45,12 +54,14 @@ from pydantic_ai.models import (
 )
 from pydantic_ai.models.wrapper import WrapperModel
 from pydantic_ai.settings import ModelSettings
-from pydantic_ai.tools import AgentDepsT, RunContext
+from pydantic_ai.tools import AgentDepsT, RunContext, ToolDefinition
 from pydantic_ai.toolsets import AbstractToolset, WrapperToolset
 from pydantic_ai.toolsets.abstract import ToolsetTool
 from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from .._context import current_run
+from .._parallel import branch_note, branch_of
+from .._serialization import fingerprint
 from .._step import BodyTasks, StepContext, step
 
 # Every stored outcome that is not a plain return value is a dict with this key, whose
@@ -350,38 +361,192 @@ class _RecordedStream(CompletedStreamedResponse):
         return replace(super().get(), parts=list(self.response.parts))
 
 
+# -- the tool calls of one model response -------------------------------------------------
+
+
+class _Call:
+    """One tool call whose step was created, in response order, when it passed validation."""
+
+    __slots__ = ("barrier", "batch", "failed", "step", "taken", "task", "tool_call_id")
+
+    def __init__(self, batch: _Batch, tool_call_id: str, s: StepContext, barrier: bool) -> None:
+        self.batch = batch
+        self.tool_call_id = tool_call_id
+        self.step = s
+        # A tool declared sequential=True runs alone, between the others.
+        self.barrier = barrier
+        self.taken = False
+        self.failed = False
+        self.task: asyncio.Task[Any] | None = None
+
+
+class _Batch:
+    """The tool calls validated in one step of an agent run: the calls of one response.
+
+    Keeps the rule of parallel calls: every call that started runs to its end, and a failed
+    one raises only once no sibling runs any more, the first failure in response order
+    first (Pydantic AI's ``parallel`` mode would cancel the siblings still running).
+    """
+
+    def __init__(self, key: tuple[Any, ...]) -> None:
+        self.key = key
+        self.calls: list[_Call] = []
+        self.running = 0
+        self._idle: asyncio.Event | None = None
+
+    def take(self, tool_call_id: str | None, name: str) -> _Call | None:
+        for call in self.calls:
+            if not call.taken and call.tool_call_id == tool_call_id and call.step.name == name:
+                call.taken = True
+                return call
+        return None
+
+    def alone(self, call: _Call, mode: str) -> bool:
+        """Whether ``call`` runs with no sibling beside it (Pydantic AI's segments: a
+        barrier runs alone, the calls between two barriers together)."""
+        if mode == "sequential" or call.barrier:
+            return True
+        index = self.calls.index(call)
+        start = index
+        while start > 0 and not self.calls[start - 1].barrier:
+            start -= 1
+        end = index
+        while end + 1 < len(self.calls) and not self.calls[end + 1].barrier:
+            end += 1
+        return start == end
+
+    def begin(self, call: _Call) -> None:
+        call.task = asyncio.current_task()
+        self.running += 1
+        if self._idle is not None:
+            self._idle.clear()
+
+    def end(self, call: _Call, *, failed: bool) -> None:
+        call.failed = failed
+        self.running -= 1
+        if self.running == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def settle(self, call: _Call) -> None:
+        """After ``call`` failed: wait until no sibling runs, then until the failed
+        sibling first in response order (if not this one) has raised."""
+        while self.running:
+            if self._idle is None:
+                self._idle = asyncio.Event()
+            await self._idle.wait()
+        first = next(c for c in self.calls if c.failed)
+        if first is not call and first.task is not None and not first.task.done():
+            await asyncio.wait({first.task})
+
+
+@dataclass
+class ToolCallSteps:
+    """The steps of the tool calls of one DurableAgent run, created as the calls validate."""
+
+    prefix: str = ""
+    batch: _Batch | None = None
+
+    def prepare(self, ctx: RunContext[Any], call_id: str, tool_name: str,
+                tool_def: ToolDefinition) -> None:
+        # Those validated in one run step form a batch (calls validated later in the same
+        # step join it: the 'graceful' split and the inline answers to deferred calls).
+        key = (ctx.run_id, ctx.run_step)
+        if self.batch is None or self.batch.key != key:
+            self.batch = _Batch(key)
+        self.batch.calls.append(_Call(self.batch, call_id, step(f"{self.prefix}{tool_name}"),
+                                      tool_def.sequential))
+
+    def take(self, tool_call_id: str | None, name: str) -> _Call | None:
+        return self.batch.take(tool_call_id, name) if self.batch is not None else None
+
+
+def _runs(tool_def: ToolDefinition, ctx: RunContext[Any]) -> bool:
+    """Whether a validated call of this tool is run in the agent's run (not deferred)."""
+    return tool_def.kind == "function" or (tool_def.kind == "unapproved"
+                                           and ctx.tool_call_approved)
+
+
+def _mode(ctx: RunContext[Any]) -> str:
+    manager = ctx.tool_manager
+    return manager.get_parallel_execution_mode() if manager is not None else "parallel"
+
+
+_PARALLEL_WAIT = (
+    "Pydantic AI runs it at the same time as the other tool calls of its model response, and "
+    "a run cannot suspend while they run",
+    "Wait outside the tool, declare the tool with sequential=True, or run the agent inside "
+    "Agent.parallel_tool_call_execution_mode('sequential').")
+
+
 @dataclass
 class DurableToolset(WrapperToolset[AgentDepsT]):
     """A toolset whose tool calls are steps of the durable run (``<agent name>:tool:<tool>``)."""
 
     step_prefix: str = ""
+    steps: ToolCallSteps | None = None
 
     async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: RunContext[AgentDepsT],
                         tool: ToolsetTool[AgentDepsT]) -> Any:
-        if current_run.get() is None:
+        run = current_run.get()
+        if run is None:
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
-        s = step(f"{self.step_prefix}{name}", input={"args": _jsonable(tool_args)})
+        key_name = f"{self.step_prefix}{name}"
+        arguments = {"args": _jsonable(tool_args)}
+        prepared = self.steps.take(ctx.tool_call_id, key_name) if self.steps else None
+        if prepared is None:
+            # A call no validation announced (a hook skipped it there): keyed where it comes.
+            s = step(key_name, input=arguments)
+            alone = True
+        else:
+            s = prepared.step
+            # The arguments the tool gets, as the step created before them would have had.
+            s._input_fp = fingerprint(arguments, run.serializer)
+            alone = prepared.batch.alone(prepared, _mode(ctx))
 
         async def body() -> Any:
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
 
         async def call() -> Any:
             token = current_tool_step.set(s)
+            beside = None if alone else (branch_of.set(s.key), branch_note.set(
+                (f"tool call {s.key!r}: {_PARALLEL_WAIT[0]}", _PARALLEL_WAIT[1])))
             try:
                 # An agent run inside the tool runs in tasks of its own: its steps nest in this one.
                 with BodyTasks(s):
                     return await call_outcome(body)
             finally:
+                if beside is not None:
+                    branch_note.reset(beside[1])
+                    branch_of.reset(beside[0])
                 current_tool_step.reset(token)
 
-        return replay_outcome(await s.arun(call))
+        if prepared is None:
+            return replay_outcome(await s.arun(call))
+        batch = prepared.batch
+        batch.begin(prepared)
+        try:
+            outcome = await s.arun(call)
+        except asyncio.CancelledError:
+            batch.end(prepared, failed=False)
+            raise
+        except BaseException:
+            batch.end(prepared, failed=True)
+            await batch.settle(prepared)
+            raise
+        batch.end(prepared, failed=False)
+        return replay_outcome(outcome)
 
 
 @dataclass
 class Durability(AbstractCapability[AgentDepsT]):
-    """Installs the durable model and toolset for one run of a DurableAgent."""
+    """Installs the durable model and toolset for one run of a DurableAgent, and creates the
+    steps of the tool calls as they pass validation."""
 
     name: str = ""
+    steps: ToolCallSteps = field(default_factory=ToolCallSteps)
+
+    def __post_init__(self) -> None:
+        self.steps.prefix = f"{self.name}:tool:"
 
     def get_wrapper_model(self, model: Model) -> Model | None:
         if isinstance(model, DurableModel):
@@ -390,4 +555,17 @@ class Durability(AbstractCapability[AgentDepsT]):
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[AgentDepsT],
                             ) -> AbstractToolset[AgentDepsT] | None:
-        return DurableToolset(toolset, step_prefix=f"{self.name}:tool:")
+        return DurableToolset(toolset, step_prefix=f"{self.name}:tool:", steps=self.steps)
+
+    async def wrap_tool_validate(self, ctx: RunContext[AgentDepsT], *, call: ToolCallPart,
+                                 tool_def: ToolDefinition, args: Any, handler: Any) -> Any:
+        prepare = current_run.get() is not None and _runs(tool_def, ctx)
+        try:
+            validated = await handler(args)
+        except SkipToolValidation:
+            if prepare:
+                self.steps.prepare(ctx, call.tool_call_id, call.tool_name, tool_def)
+            raise
+        if prepare:
+            self.steps.prepare(ctx, call.tool_call_id, call.tool_name, tool_def)
+        return validated

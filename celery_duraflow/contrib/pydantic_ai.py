@@ -310,8 +310,7 @@ class DurableAgent(Generic[AgentDepsT]):
         arguments = {**segment, "event_stream_handler": live.filtered()}
         token = live_events.set(live)
         try:
-            with self.agent.parallel_tool_call_execution_mode("sequential"):
-                yield arguments
+            yield arguments
         except BaseExceptionGroup as group:
             leaf = _leaf(group)
             if leaf is None:
