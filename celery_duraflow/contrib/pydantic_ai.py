@@ -15,9 +15,22 @@ It follows the structure of Pydantic AI's own durable-execution wrappers
 :class:`~pydantic_ai.toolsets.WrapperToolset`, both installed for the run by a
 capability (``get_wrapper_model`` / ``get_wrapper_toolset``), so whatever model
 serves a request (the agent's, a run's ``model=``, an ``agent.override``) and
-whatever toolsets the run has go through them. Tool calls run one at a time
-(``parallel_tool_call_execution_mode('sequential')``), since the steps of a run
-must be reached in the same order on every attempt.
+whatever toolsets the run has go through them.
+
+Tool calls run the way Pydantic AI runs them: the calls of one model response at
+the same time by default, one at a time where the user asked for that
+(``Agent.parallel_tool_call_execution_mode('sequential')``, a tool's
+``sequential=True``). The step of each call is created when the call passes
+validation, which Pydantic AI does for every call of a response, in response
+order, before any of them runs: the keys follow the response whatever order the
+calls start or end in, and are the keys one-at-a-time calls had. The rule for
+failures is the one of :func:`~celery_duraflow.parallel`: every call that started
+runs to its end and its outcome is recorded once; once none runs any more, the
+first failure in response order is raised, and a retry runs only the calls that
+did not complete. A wait (an approval inside the tool, ``sleep``,
+``wait_for_signal``, ``child``) in a call that runs beside others is refused with
+:class:`~celery_duraflow.UnsupportedCode`, for good: the run cannot suspend while
+its siblings run. A call alone in its response may wait.
 
 Outside a durable task the wrapped agent runs unchanged: nothing is stored.
 """
@@ -147,7 +160,8 @@ class DurableAgent(Generic[AgentDepsT]):
     it is refused.
 
     Inside a durable task run, :meth:`run_sync` and :meth:`run` run the agent with
-    every model request and tool call as a step, tool calls one at a time; a run
+    every model request and tool call as a step (the calls of one response in
+    parallel, as Pydantic AI runs them, keyed in response order); a run
     that ends with approval requests waits for the signal
     ``<name>:approval:<tool name>`` of each (holding no worker) and then goes on
     with the answers. Outside a durable task they run the agent unchanged, as
@@ -300,8 +314,8 @@ class DurableAgent(Generic[AgentDepsT]):
 
     @contextmanager
     def _segment(self, segment: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        """Around one of the agent's runs: the run handler's live model events, tool calls
-        one at a time, and the library's own exception in place of a group.
+        """Around one of the agent's runs: the run handler's live model events, and the
+        library's own exception in place of a group.
 
         Yields the arguments of the agent's run; its ``event_stream_handler`` is the
         caller's, made to skip the model events it already got live in a step.
