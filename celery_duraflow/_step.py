@@ -492,6 +492,11 @@ class StepContext:
             )
         return latest
 
+    def input_known(self, value: Any) -> None:
+        """Give a step created before its input was known (a tool call, created when its
+        arguments validated) the input ``step(..., input=)`` would have fingerprinted."""
+        self._input_fp = fingerprint(value, self._ctx.serializer)
+
     def code_seen(self, fingerprint: str | None) -> None:
         """Learn the fingerprint of this step's code; a replayed step compares it."""
         self._code_fp = fingerprint

@@ -61,7 +61,6 @@ from pydantic_core import PydanticSerializationError, to_jsonable_python
 
 from .._context import current_run
 from .._parallel import branch_note, branch_of
-from .._serialization import fingerprint
 from .._step import BodyTasks, StepContext, step
 
 # Every stored outcome that is not a plain return value is a dict with this key, whose
@@ -500,7 +499,7 @@ class DurableToolset(WrapperToolset[AgentDepsT]):
         else:
             s = prepared.step
             # The arguments the tool gets, as the step created before them would have had.
-            s._input_fp = fingerprint(arguments, run.serializer)
+            s.input_known(arguments)
             alone = prepared.batch.alone(prepared, _mode(ctx))
 
         async def body() -> Any:
