@@ -124,7 +124,7 @@ def test_a_group_sent_by_a_retried_run_is_not_sent_again(
     def parent(self: Any) -> list[str]:
         result = group(part.s(n) for n in range(3)).apply_async()
         seen_ids.append([r.id for r in result.results])
-        with step("after") as s:
+        with step("after"):
             calls["after"] += 1
             if calls["after"] == 1:
                 raise Flaky("the step after the group fails once")
@@ -150,7 +150,7 @@ def test_a_chain_sent_by_a_retried_run_is_not_sent_again(
               default_retry_delay=0)
     def parent(self: Any) -> str:
         result = chain(group(part.s(1), part.s(2)), join.s()).apply_async()
-        with step("after") as s:
+        with step("after"):
             calls["after"] += 1
             if calls["after"] == 1:
                 raise Flaky("the step after the chain fails once")

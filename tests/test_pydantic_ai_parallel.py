@@ -11,10 +11,9 @@ who asks for sequential tool calls still gets them. On SQLite and PostgreSQL.
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,11 +23,9 @@ from pydantic_ai import Agent
 from pydantic_ai.capabilities import AbstractCapability
 from pydantic_ai.messages import (
     ModelMessage,
-    ModelRequest,
     ModelResponse,
     TextPart,
     ToolCallPart,
-    ToolReturnPart,
 )
 from pydantic_ai.models.function import AgentInfo, FunctionModel
 from pydantic_ai.tools import RunContext, ToolDefinition
@@ -38,30 +35,16 @@ from celery_duraflow.contrib import _pydantic_ai_steps
 from celery_duraflow.contrib.pydantic_ai import DurableAgent, tool_step
 from celery_duraflow.signals import step_replayed
 from tests.conftest import run_worker
+from tests.test_pydantic_ai import (  # the autouse fixture applies here too, once imported
+    Flaky,
+    _collect_garbage,  # noqa: F401
+    _returns,
+    _turn,
+)
 
 RESULT_TIMEOUT = 30.0
 KEYS = ["fetcher:model", "fetcher:tool:fetch", "fetcher:tool:fetch#2", "fetcher:tool:fetch#3",
         "fetcher:model#2"]
-
-
-@pytest.fixture(autouse=True)
-def _collect_garbage() -> Iterator[None]:
-    """Finalize what an agent run left behind before the next test (see test_pydantic_ai)."""
-    yield
-    gc.collect()
-
-
-class Flaky(Exception):
-    """Raised to make Celery retry the task."""
-
-
-def _turn(messages: list[ModelMessage]) -> int:
-    return sum(isinstance(m, ModelResponse) for m in messages)
-
-
-def _returns(messages: list[ModelMessage]) -> list[Any]:
-    return [part.content for m in messages if isinstance(m, ModelRequest)
-            for part in m.parts if isinstance(part, ToolReturnPart)]
 
 
 @dataclass
