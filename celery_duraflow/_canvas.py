@@ -117,8 +117,9 @@ def _parts(sig: Any) -> tuple[str, list[Any]] | None:
 
 
 def _signatures(sig: Any) -> Iterator[Any]:
-    """Every task signature in a canvas, depth first."""
-    parts = _parts(maybe_signature(sig))
+    """Every task signature in a canvas, depth first (a dict made a signature)."""
+    sig = maybe_signature(sig)
+    parts = _parts(sig)
     if parts is None:
         yield sig
         return
@@ -145,10 +146,11 @@ def _refuse(ctx: RunContext, name: str, why: str) -> None:
     raise error
 
 
-def _check_chord(ctx: RunContext, sig: Any, durable: type) -> None:
-    """Refuse a chord whose join could run twice or miss a result."""
+def _check_chord(ctx: RunContext, sig: Any, body: Any, durable: type) -> None:
+    """Refuse a chord whose join (``body``: the chord's, or one given when it is called)
+    could run twice or miss a result."""
     app = sig.app
-    for inner in _signatures(sig.body) if sig.body is not None else ():
+    for inner in _signatures(body) if body is not None else ():
         name = getattr(inner, "task", None)
         registered = app.tasks.get(name) if isinstance(name, str) else None
         if (registered is not None and not isinstance(registered, durable)
@@ -180,8 +182,12 @@ def _durable_send(kind: str, original: Callable[..., Any], durable: type,
         app = self.app
         if app.conf.task_always_eager:
             return original(self, args, kwargs, **options)
+        shape = _shape(self)
         if kind == "chord":
-            _check_chord(ctx, self, durable)
+            # chord(header)(body) gives the body when the chord is called.
+            body = (kwargs or {}).get("body") or self.body
+            _check_chord(ctx, self, body, durable)
+            shape = [*shape, _shape(body)] if body is not self.body else shape
         sent: list[Any] = []
 
         def send(seed: str) -> Any:
@@ -193,7 +199,7 @@ def _durable_send(kind: str, original: Callable[..., Any], durable: type,
             sent.append(result)
             return result.as_tuple()
 
-        s = step(f"celery.{kind}", input=_shape(self))
+        s = step(f"celery.{kind}", input=shape)
         stored = s.run(send, f"{ctx.task_id}/{s.key}")
         if sent:
             return sent[0]

@@ -190,6 +190,29 @@ def test_a_chord_with_a_plain_body_is_refused_before_anything_is_sent(
     assert run is not None and run.status == "failed" and run.steps == ()
 
 
+def test_a_plain_body_given_when_the_chord_is_called_is_refused(
+        redis_app: Celery, published: list[tuple[str, str]]) -> None:
+    """chord(header)(body) with a plain task as the body is refused like chord(header, body):
+    nothing is published."""
+    app = redis_app
+    part, _ = _parts_and_join(app, Counter(), [])
+
+    @app.task(name="canvas.plain-join")
+    def plain_join(results: list[int]) -> int:
+        return sum(results)
+
+    @app.task(base=DurableTask)
+    def parent() -> None:
+        chord([part.s(1), part.s(2)])(plain_join.s())
+
+    task_id = str(uuid.uuid4())
+    error = parent.apply(task_id=task_id).result
+    assert isinstance(error, UnsupportedCode)
+    assert error.task_id == task_id and error.step_key == "celery.chord"
+    assert "canvas.plain-join" in str(error)
+    assert published == []
+
+
 def test_a_chord_on_a_backend_that_counts_by_increment_is_refused(
         make_app: Callable[..., Celery], published: list[tuple[str, str]]) -> None:
     """On a result backend that counts a chord's parts with a counter (a duplicate part
