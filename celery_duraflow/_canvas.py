@@ -35,6 +35,7 @@ from contextvars import ContextVar
 from typing import Any
 
 from celery.canvas import _chain, _chord, group, maybe_signature
+from celery.result import result_from_tuple
 from kombu.utils.uuid import uuid as _random_uuid
 
 from ._context import RunContext, current_run
@@ -158,7 +159,7 @@ def _check_chord(ctx: RunContext, sig: Any, body: Any, durable: type) -> None:
             _refuse(ctx, "celery.chord",
                     f"and its body runs {name}, which is not a DurableTask: a duplicate "
                     "delivery of the body would run the join again. Give it base=DurableTask.")
-    from celery.backends.base import BaseKeyValueStoreBackend
+    from celery.backends.base import BaseKeyValueStoreBackend  # only a chord needs it
 
     backend = app.backend
     if (getattr(backend, "implements_incr", False) and type(backend).on_chord_part_return
@@ -201,11 +202,7 @@ def _durable_send(kind: str, original: Callable[..., Any], durable: type,
 
         s = step(f"celery.{kind}", input=shape)
         stored = s.run(send, f"{ctx.task_id}/{s.key}")
-        if sent:
-            return sent[0]
-        from celery.result import result_from_tuple
-
-        return result_from_tuple(stored, app)
+        return sent[0] if sent else result_from_tuple(stored, app)
 
     apply_async.__wrapped__ = original  # type: ignore[attr-defined]
     apply_async.__doc__ = original.__doc__

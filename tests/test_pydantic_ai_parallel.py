@@ -236,7 +236,7 @@ async def _call_tool_as_before(self: Any, name: str, tool_args: dict[str, Any],
                                ctx: RunContext[Any], tool: Any) -> Any:
     """DurableToolset.call_tool as it was when tool calls ran one at a time: the step is
     created when the call reaches the tool."""
-    s = step(f"{self.step_prefix}{name}",
+    s = step(f"{self.steps.prefix}{name}",
              input={"args": _pydantic_ai_steps._jsonable(tool_args)})
 
     async def body() -> Any:

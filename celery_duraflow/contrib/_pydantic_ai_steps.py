@@ -481,17 +481,16 @@ _PARALLEL_WAIT = (
 class DurableToolset(WrapperToolset[AgentDepsT]):
     """A toolset whose tool calls are steps of the durable run (``<agent name>:tool:<tool>``)."""
 
-    step_prefix: str = ""
-    steps: ToolCallSteps | None = None
+    steps: ToolCallSteps = field(default_factory=ToolCallSteps)
 
     async def call_tool(self, name: str, tool_args: dict[str, Any], ctx: RunContext[AgentDepsT],
                         tool: ToolsetTool[AgentDepsT]) -> Any:
         run = current_run.get()
         if run is None:
             return await self.wrapped.call_tool(name, tool_args, ctx, tool)
-        key_name = f"{self.step_prefix}{name}"
+        key_name = f"{self.steps.prefix}{name}"
         arguments = {"args": _jsonable(tool_args)}
-        prepared = self.steps.take(ctx.tool_call_id, key_name) if self.steps else None
+        prepared = self.steps.take(ctx.tool_call_id, key_name)
         if prepared is None:
             # A call no validation announced (a hook skipped it there): keyed where it comes.
             s = step(key_name, input=arguments)
@@ -554,7 +553,7 @@ class Durability(AbstractCapability[AgentDepsT]):
 
     def get_wrapper_toolset(self, toolset: AbstractToolset[AgentDepsT],
                             ) -> AbstractToolset[AgentDepsT] | None:
-        return DurableToolset(toolset, step_prefix=f"{self.name}:tool:", steps=self.steps)
+        return DurableToolset(toolset, steps=self.steps)
 
     async def wrap_tool_validate(self, ctx: RunContext[AgentDepsT], *, call: ToolCallPart,
                                  tool_def: ToolDefinition, args: Any, handler: Any) -> Any:
