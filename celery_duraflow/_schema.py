@@ -49,6 +49,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.schema import CreateColumn
 
 from ._flow_schema import flow_tables
+from ._schedule_schema import schedules_table
 
 # Long enough for Celery's UUIDs and for the ids users choose themselves.
 TASK_ID_LENGTH = 255
@@ -68,11 +69,12 @@ class Tables:
     flow_waits: Table
     flow_rates: Table
     flow_dedupe: Table
+    schedules: Table
 
     def owned(self) -> tuple[Table, ...]:
         """Every table of the prefix but the schema version's, in creation order."""
         return (self.runs, self.steps, self.signals, self.flow_slots, self.flow_waits,
-                self.flow_rates, self.flow_dedupe)
+                self.flow_rates, self.flow_dedupe, self.schedules)
 
 
 @functools.lru_cache(maxsize=64)
@@ -128,7 +130,7 @@ def build_tables(prefix: str) -> Tables:
     slots, waits, rates, dedupe = flow_tables(prefix, metadata)
     return Tables(metadata=metadata, schema_version=schema_version, runs=runs, steps=steps,
                   signals=signals, flow_slots=slots, flow_waits=waits, flow_rates=rates,
-                  flow_dedupe=dedupe)
+                  flow_dedupe=dedupe, schedules=schedules_table(prefix, metadata))
 
 
 def _v2_run_columns() -> list[Column[object]]:
@@ -646,6 +648,11 @@ def _v15_joins(conn: Connection, tables: Tables) -> None:
         index.create(conn)
 
 
+def _v16_schedules(conn: Connection, tables: Tables) -> None:
+    prefix = tables.runs.name.removesuffix("runs")
+    schedules_table(prefix, MetaData()).create(conn)
+
+
 # (version, description, apply). Append only.
 MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = (
     (1, "runs and steps", _v1_initial),
@@ -668,6 +675,8 @@ MIGRATIONS: tuple[tuple[int, str, Callable[[Connection, Tables], None]], ...] = 
      _v14_flow_control),
     (15, "fan-out: a child run's join, and the indexes of open joins and waiting parents",
      _v15_joins),
+    (16, "durable schedules: cron and interval schedules, their policies and next slot",
+     _v16_schedules),
 )
 LATEST_VERSION = MIGRATIONS[-1][0]
 

@@ -73,6 +73,7 @@ from ._records import (
     reader,
     utc_now,
 )
+from ._schedules_store import ScheduleStatements
 from ._waits_store import WaitStatements
 
 #: The longest the sweep waits, in leases, before it sends again a run whose message was
@@ -120,7 +121,7 @@ __all__ = [
 ]
 
 
-class Store(WaitStatements, JoinStatements, FlowStatements):
+class Store(WaitStatements, JoinStatements, FlowStatements, ScheduleStatements):
     """The statements an attempt, a wait and the sweep issue, for one configuration.
 
     The engine, connections, schema and error mapping are :class:`Database`'s.

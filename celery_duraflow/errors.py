@@ -42,6 +42,7 @@ __all__ = [
     "ConfigurationError",
     "DuraflowError",
     "InvalidDuration",
+    "InvalidSchedule",
     "InvalidStepName",
     "InvalidTaskId",
     "LeaseLost",
@@ -52,6 +53,7 @@ __all__ = [
     "RunCancelled",
     "RunNotFound",
     "RunStateError",
+    "ScheduleNotFound",
     "SignalTimeout",
     "StepCodeChanged",
     "StepConflict",
@@ -213,6 +215,29 @@ class StoreUnavailable(DuraflowError, ConnectionError):
 
 class RunNotFound(DuraflowError, LookupError):
     """No run with the given task id is recorded (it never started, or was pruned)."""
+
+
+class InvalidSchedule(ConfigurationError):
+    """A schedule cannot be stored as given: its cron expression does not parse, its time
+    zone is unknown, its task is not a registered durable task, its arguments cannot
+    be serialized, or a policy is unknown. Nothing is written.
+
+    The schedule's name is in :attr:`schedule`; the message says what to change.
+    """
+
+    def __init__(self, message: str, *, schedule: str | None = None,
+                 task_id: str | None = None, step_key: str | None = None) -> None:
+        super().__init__(message, task_id=task_id, step_key=step_key)
+        self.schedule = schedule
+
+
+class ScheduleNotFound(DuraflowError, LookupError):
+    """No schedule of the given name is stored (it was never added, or was removed)."""
+
+    def __init__(self, message: str, *, schedule: str | None = None,
+                 task_id: str | None = None, step_key: str | None = None) -> None:
+        super().__init__(message, task_id=task_id, step_key=step_key)
+        self.schedule = schedule
 
 
 class SignalTimeout(DuraflowError, TimeoutError):

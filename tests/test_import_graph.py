@@ -277,6 +277,8 @@ def test_the_import_reader_resolves_relative_and_hidden_imports() -> None:
 STORE_LAYER = {f"{PACKAGE}.{name}" for name in
                ("_db", "_records", "_schema", "_store", "_waits_store", "_joins_store",
                 "_flow_schema", "_flow_store", "_admin", "_atomic",
+                # durable schedules: their table and statements
+                "_schedule_schema", "_schedules_store",
                 # what the store's server says of its standbys (read at a worker's start)
                 "_replication",
                 # an atomic step's transaction on Django's connection, lent to SQLAlchemy

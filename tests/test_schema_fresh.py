@@ -178,7 +178,7 @@ def test_a_new_database_gets_the_schema_the_migrations_build(
     by_migrations = _reflected(migrated.engine, old_prefix)
     at_once = _reflected(fresh.engine, new_prefix)
     assert set(at_once) == {"schema", "runs", "steps", "signals", "flow_slots", "flow_waits",
-                            "flow_rates", "flow_dedupe"}
+                            "flow_rates", "flow_dedupe", "schedules"}
     assert at_once == by_migrations
     catalogue = _catalogue(fresh.engine, new_prefix)
     assert catalogue == _catalogue(migrated.engine, old_prefix)
