@@ -222,7 +222,7 @@ class InvalidSchedule(ConfigurationError):
     zone is unknown, its task is not a registered durable task, its arguments cannot
     be serialized, or a policy is unknown. Nothing is written.
 
-    The schedule's name is in :attr:`schedule`; the message says what to change.
+    The schedule's name is in its ``schedule`` attribute; the message says what to change.
     """
 
     def __init__(self, message: str, *, schedule: str | None = None,

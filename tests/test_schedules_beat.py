@@ -99,7 +99,7 @@ def test_a_plain_task_in_beat_schedule_stops_the_scheduler_before_anything_is_st
     """An entry of a task that is not durable is refused with the entry's name, and the
     durable entries beside it are not stored either."""
     app = _app(make_app)
-    with pytest.raises(InvalidSchedule, match="'cleanup'.*plain.cleanup.*not a durable task"):
+    with pytest.raises(InvalidSchedule, match=r"'cleanup'.*plain\.cleanup.*not a durable task"):
         _scheduler(app, {"minutely": {"task": "digest", "schedule": 60.0},
                          "cleanup": {"task": "plain.cleanup", "schedule": 60.0}})
     assert list_schedules(app=app) == []
@@ -167,7 +167,7 @@ def test_concurrent_passes_fire_each_slot_once(make_app: Callable[..., Celery],
         clock.advance(seconds=1)
         barrier = threading.Barrier(8)
 
-        def fire() -> None:
+        def fire(barrier: threading.Barrier = barrier) -> None:
             barrier.wait()
             ids = fire_schedules(app).fired
             with lock:
