@@ -20,7 +20,6 @@ once per scheduler without harm, stay plain beat entries of each process.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from datetime import datetime, timedelta
 from typing import Any
@@ -46,8 +45,11 @@ logger = logging.getLogger("celery_duraflow.schedules")
 #: The keys a durable ``beat_schedule`` entry may have: Celery's, and the policies.
 ENTRY_KEYS = frozenset({"task", "schedule", "args", "kwargs", "options", "relative",
                         "catchup", "catchup_window", "overlap", "timezone", "start_at"})
-#: How long a scheduler waits before reading the store again after it could not.
-RETRY_AFTER = 5.0
+#: The longest a scheduler goes without reading the store's schedules, whatever beat's
+#: ``max_interval``: a schedule added, changed or resumed by another process meanwhile, or
+#: a slot kept back for a run that ended, is found within this many seconds (well within
+#: the minute a slot may be late and still fire).
+STORE_POLL = 5.0
 
 
 def _plain_allowed(task_name: str) -> bool:
@@ -95,8 +97,8 @@ class DurableScheduler(Scheduler):  # type: ignore[misc]
     """Celery beat's scheduler, with durable tasks' schedules kept in the store."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # The monotonic time of the next pass over the store's schedules.
-        self._store_pass_at = 0.0
+        # When the next pass over the store's schedules is due (the library's clock).
+        self._store_pass_at: datetime | None = None
         super().__init__(*args, **kwargs)
 
     def setup_schedule(self) -> None:
@@ -131,20 +133,19 @@ class DurableScheduler(Scheduler):  # type: ignore[misc]
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         """Fire what is due in the store, then Celery's plain entries; the seconds to sleep."""
-        now = time.monotonic()
-        if now >= self._store_pass_at:
-            self._store_pass_at = now + self._fire()
+        if self._store_pass_at is None or _clock.now() >= self._store_pass_at:
+            self._store_pass_at = _clock.now() + timedelta(seconds=self._fire())
         plain = float(super().tick(*args, **kwargs))
-        return max(0.0, min(plain, self._store_pass_at - time.monotonic()))
+        return max(0.0, min(plain, (self._store_pass_at - _clock.now()).total_seconds()))
 
     def _fire(self) -> float:
         """One pass over the store; how long until the next one should start."""
         try:
             fired = fire_schedules(self.app)
         except (StoreUnavailable, DuraflowError) as exc:
-            logger.error("could not fire schedules: %s; trying again in %g s", exc, RETRY_AFTER)
-            return min(RETRY_AFTER, float(self.max_interval))
-        return _until(fired.next_due, float(self.max_interval))
+            logger.error("could not fire schedules: %s; trying again in %g s", exc, STORE_POLL)
+            return min(STORE_POLL, float(self.max_interval))
+        return _until(fired.next_due, min(STORE_POLL, float(self.max_interval)))
 
     @property
     def info(self) -> str:

@@ -33,7 +33,7 @@ from celery_duraflow import (
     step,
 )
 from celery_duraflow import _schedules as schedules_module
-from celery_duraflow.beat import DurableScheduler
+from celery_duraflow.beat import STORE_POLL, DurableScheduler
 from tests.test_schedules import START, Clock
 
 pytestmark = pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
@@ -65,9 +65,10 @@ def _app(make_app: Callable[..., Celery], **conf: Any) -> Celery:
     return app
 
 
-def _scheduler(app: Celery, beat_schedule: dict[str, Any]) -> DurableScheduler:
+def _scheduler(app: Celery, beat_schedule: dict[str, Any],
+               max_interval: float = 5) -> DurableScheduler:
     app.conf.beat_schedule = beat_schedule
-    return DurableScheduler(app=app, max_interval=5)
+    return DurableScheduler(app=app, max_interval=max_interval)
 
 
 def test_beat_schedule_entries_of_durable_tasks_become_stored_schedules(
@@ -149,10 +150,24 @@ def test_tick_fires_due_slots_and_sleeps_until_the_next(
     assert 0 < scheduler.tick() <= 1.5
     slot = START + timedelta(seconds=2)
     assert app.conf.calls == Counter({schedule_run_id("every-2s", slot): 1})
-    scheduler._store_pass_at = 0.0
     scheduler.tick()
     assert sum(app.conf.calls.values()) == 1
     assert get_schedule("every-2s", app=app).fired == 1
+
+
+def test_a_schedule_added_elsewhere_is_found_within_seconds(
+        make_app: Callable[..., Celery], clock: Clock) -> None:
+    """With beat's max_interval at five minutes and nothing due for an hour, a tick still
+    asks to sleep no more than the store's poll, so a schedule another process adds is
+    fired on time."""
+    app = _app(make_app)
+    scheduler = _scheduler(app, {"hourly": {"task": "digest", "schedule": 3600.0}},
+                           max_interval=300)
+    assert scheduler.tick() <= STORE_POLL
+    add_schedule("soon", "digest", every=10, app=app)
+    clock.advance(seconds=STORE_POLL + 10)
+    scheduler.tick()
+    assert sum(app.conf.calls.values()) == 1
 
 
 def test_concurrent_passes_fire_each_slot_once(make_app: Callable[..., Celery],
