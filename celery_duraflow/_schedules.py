@@ -28,12 +28,13 @@ from . import _schedule_spec as spec_
 from ._canvas import CELERY_BUILTIN_PREFIX
 from ._config import app_and_config
 from ._operations import cancel
-from ._schedules_store import MAX_BACKFILL, Definition, Schedule, schedule_run_id
+from ._schedules_store import MAX_BACKFILL, Definition, Schedule, SlotRun, schedule_run_id
 from ._send import routing_of, send_run
 from ._serialization import encode_arguments, get_serializer
 from ._store import store_for
 from ._task import DurableTask
 from .errors import DuraflowError, InvalidSchedule, RunArgumentsNotSerializable, ScheduleNotFound
+from .signals import schedule_fired, schedule_skipped
 
 logger = logging.getLogger("celery_duraflow.schedules")
 
@@ -290,14 +291,19 @@ def backfill_schedule(name: str, start: datetime, end: datetime, *,
     return _send(app, runs)
 
 
-def _send(app: Any, runs: Sequence[Any]) -> list[str]:
+def _send(app: Any, fired: Sequence[SlotRun]) -> list[str]:
     sent = []
-    for run in runs:
+    for each in fired:
+        run = each.run
+        if schedule_fired.receivers:
+            schedule_fired.send(sender=app, schedule=each.schedule, slot=each.slot,
+                                task_id=run.task_id, task_name=run.task_name)
         try:
             send_run(app, run)
         except Exception:  # the row is written: the recovery sweep sends it
-            logger.warning("could not send run %s (%s) of a schedule; the recovery sweep "
-                           "sends it from its row", run.task_id, run.task_name, exc_info=True)
+            logger.warning("could not send run %s (%s) of schedule %r; the recovery sweep "
+                           "sends it from its row", run.task_id, run.task_name, each.schedule,
+                           exc_info=True)
         sent.append(run.task_id)
     return sent
 
@@ -309,9 +315,13 @@ def fire_schedules(app: Any = None) -> FirePass:
     """
     app, config = app_and_config(app)
     fired = store_for(config).fire_due()
-    for name, count, first, last, why in fired.skipped:
+    for name, count, first, last, reason, policy in fired.skipped:
         span = f" from {first.isoformat()} to {last.isoformat()}" if first and last else ""
-        logger.warning("schedule %r: %d slot(s)%s not fired (%s)", name, count, span, why)
+        logger.warning("schedule %r: %d slot(s)%s not fired (%s, %s)", name, count, span,
+                       reason, policy)
+        if schedule_skipped.receivers:
+            schedule_skipped.send(sender=app, schedule=name, count=count, reason=reason,
+                                  first=first, last=last)
     for task_id in fired.cancel:
         try:
             cancel(task_id, app=app)

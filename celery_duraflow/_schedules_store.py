@@ -116,15 +116,24 @@ class Definition:
                 "catchup_window": self.catchup_window, "overlap": self.overlap}
 
 
+@dataclass(frozen=True)
+class SlotRun:
+    """The run a schedule's slot fired."""
+
+    schedule: str
+    slot: datetime
+    run: RunRecord
+
+
 @dataclass
 class Fired:
     """What one firing pass did: runs to send, runs to cancel, and what it passed over."""
 
-    runs: list[RunRecord] = field(default_factory=list)
+    runs: list[SlotRun] = field(default_factory=list)
     #: Runs of earlier slots that the ``cancel_other`` policy stops.
     cancel: list[str] = field(default_factory=list)
-    #: (schedule, slots skipped, first, last, why) for the log.
-    skipped: list[tuple[str, int, datetime | None, datetime | None, str]] = field(
+    #: (schedule, slots skipped, first, last, reason: "missed" or "overlap", policy).
+    skipped: list[tuple[str, int, datetime | None, datetime | None, str, str]] = field(
         default_factory=list)
     #: The earliest next slot of an unpaused schedule after the pass (None: none).
     next_due: datetime | None = None
@@ -266,25 +275,27 @@ class ScheduleStatements(Database):
         return self._schedule(saved)
 
     def _slot_runs(self, conn: Connection, schedule: Schedule, slots: Sequence[datetime],
-                   now: datetime) -> list[RunRecord]:
+                   now: datetime) -> list[SlotRun]:
         """Insert the runs of ``slots`` (those not recorded yet); their records."""
         if not slots:
             return []
         runs = self.tables.runs
         expires = now + timedelta(seconds=self.config.lease_seconds)
-        rows = [{"task_id": schedule_run_id(schedule.name, slot),
+        rows: list[dict[str, Any]] = [{"task_id": schedule_run_id(schedule.name, slot),
                  "task_name": schedule.task_name, "status": RUNNING, "attempts": 0,
                  "created_at": now, "updated_at": now, "args": schedule.args,
                  "exchange": schedule.exchange, "routing_key": schedule.routing_key,
                  "priority": schedule.priority, "retries": 0, "recoveries": 0,
                  "interrupted": False, "lease_expires_at": expires} for slot in slots]
-        inserted: list[RunRecord] = []
+        records: dict[str, RunRecord] = {}
         for start in range(0, len(rows), SLOTS_PER_PASS):
             stmt = (self._insert(runs).values(rows[start:start + SLOTS_PER_PASS])
                     .on_conflict_do_nothing(index_elements=[runs.c.task_id])
                     .returning(*runs.c))
-            inserted.extend(RunRecord.from_row(row) for row in conn.execute(stmt))
-        return inserted
+            records.update((row.task_id, RunRecord.from_row(row)) for row in conn.execute(stmt))
+        ids = [schedule_run_id(schedule.name, slot) for slot in slots]
+        return [SlotRun(schedule.name, slot, records[task_id])
+                for slot, task_id in zip(slots, ids, strict=True) if task_id in records]
 
     def fire_due(self, *, now: datetime | None = None) -> Fired:
         """One firing pass over the schedules due at ``now`` (the store's clock)."""
@@ -321,11 +332,11 @@ class ScheduleStatements(Database):
                               window=window, limit=SLOTS_PER_PASS)
         if due.skipped:
             fired.skipped.append((schedule.name, due.skipped, due.skipped_from, due.skipped_to,
-                                  f"missed, catch-up policy {schedule.catchup!r}"))
+                                  "missed", f"catchup={schedule.catchup!r}"))
         plan = overlapping(schedule.overlap, due.fire, schedule.buffered_at, running)
         if plan.dropped:
-            fired.skipped.append((schedule.name, plan.dropped, None, None,
-                                  f"overlapping, overlap policy {schedule.overlap!r}"))
+            fired.skipped.append((schedule.name, plan.dropped, None, None, "overlap",
+                                  f"overlap={schedule.overlap!r}"))
         if plan.cancel and schedule.last_run_id:
             fired.cancel.append(schedule.last_run_id)
         inserted = self._slot_runs(conn, schedule, plan.fire, now)
@@ -340,7 +351,7 @@ class ScheduleStatements(Database):
                            updated_at=now)
         conn.execute(update(table).where(table.c.name == schedule.name).values(**changes))
 
-    def backfill(self, name: str, start: datetime, end: datetime) -> tuple[list[RunRecord], int]:
+    def backfill(self, name: str, start: datetime, end: datetime) -> tuple[list[SlotRun], int]:
         """Fire every slot of schedule ``name`` from ``start`` to ``end`` (both included)
         that has no run yet; (the runs inserted, the slots in the range).
 

@@ -29,6 +29,8 @@ __all__ = [
     "run_finished",
     "run_recovered",
     "run_unwound",
+    "schedule_fired",
+    "schedule_skipped",
     "signal_delivered",
     "slot_taken",
     "step_failed",
@@ -108,3 +110,12 @@ limit_waited = Signal(name="duraflow_limit_waited",
 #: ``waited`` is how long the run was queued for it, in seconds (0.0 if it was not).
 slot_taken = Signal(name="duraflow_slot_taken",
                     providing_args={"task_id", "scope", "key", "waited"})
+#: A schedule fired slot ``slot`` (an aware datetime) as run ``task_id`` of task
+#: ``task_name`` (a backfill too). ``sender`` is the app.
+schedule_fired = Signal(name="duraflow_schedule_fired",
+                        providing_args={"schedule", "slot", "task_id", "task_name"})
+#: A firing pass passed over ``count`` slots of ``schedule``: ``reason`` is "missed" (the
+#: catch-up policy dropped slots found late; ``first`` and ``last`` are the first and last
+#: of them) or "overlap" (the overlap policy dropped them while a run was open).
+schedule_skipped = Signal(name="duraflow_schedule_skipped",
+                          providing_args={"schedule", "count", "reason", "first", "last"})

@@ -34,7 +34,11 @@ from celery_duraflow import (
     Concurrency,
     DurableTask,
     StoreUnavailable,
+    _clock,
+    add_schedule,
+    fire_schedules,
     recover,
+    schedule_run_id,
     send_signal,
     sleep,
     step,
@@ -530,3 +534,34 @@ def test_with_the_extra_telemetry_switches_itself_on(tmp_path: Path) -> None:
     modules, receivers = done.stdout.split("\n")[:2]
     assert "'opentelemetry.trace'" in modules
     assert receivers == "1 1"
+
+
+def test_schedule_metrics(sqlite_url: str, table_prefix: str, telemetry: Telemetry) -> None:
+    """A firing pass counts each fired slot by schedule and the slots it passed over by
+    reason, and records an event per fired slot on the current span."""
+    app = app_factory(sqlite_url, table_prefix)(eager=False, task_default_queue=_queue())
+
+    @app.task(base=DurableTask, name="tick")
+    def tick() -> None:
+        pass
+
+    start = datetime(2026, 6, 1, 12, tzinfo=UTC)
+    moment = [start]
+    previous = _clock.use(lambda: moment[0])
+    try:
+        add_schedule("hourly", "tick", every=3600, catchup="latest", app=app)
+        moment[0] = start + timedelta(hours=3, minutes=30)
+        tracer = telemetry.tracer_provider.get_tracer("the-user")
+        with tracer.start_as_current_span("beat-tick"):
+            fired = fire_schedules(app).fired
+    finally:
+        _clock.use(previous)
+    assert fired == [schedule_run_id("hourly", start + timedelta(hours=3))]
+    assert telemetry.counts("duraflow.schedules.fired", "duraflow.schedule",
+                            "duraflow.task_name") == {("hourly", "tick"): 1}
+    assert telemetry.counts("duraflow.schedules.skipped", "duraflow.schedule",
+                            "duraflow.reason") == {("hourly", "missed"): 2}
+    assert _events(telemetry.span("beat-tick"), "duraflow.schedule.fired") == [{
+        "duraflow.schedule": "hourly", "duraflow.task_id": fired[0],
+        "duraflow.task_name": "tick",
+        "duraflow.schedule.slot": (start + timedelta(hours=3)).isoformat()}]

@@ -52,6 +52,8 @@ from ..signals import (
     run_finished,
     run_recovered,
     run_unwound,
+    schedule_fired,
+    schedule_skipped,
     signal_delivered,
     slot_taken,
     step_failed,
@@ -88,6 +90,8 @@ REASON = "duraflow.reason"
 GIVING_UP = "duraflow.giving_up"
 LIMIT_SCOPE = "duraflow.limit.scope"
 LIMIT_KEY = "duraflow.limit.key"
+SCHEDULE = "duraflow.schedule"
+SLOT = "duraflow.schedule.slot"
 ERROR_TYPE = "error.type"
 
 # Histogram buckets for step durations, in seconds (OpenTelemetry's advice for durations).
@@ -155,6 +159,14 @@ class _Instruments:
             "duraflow.flow.slot_wait", unit="s",
             description="How long runs were queued for the concurrency slot they took, in "
                         "seconds (0 for a slot taken at once), by task and scope")
+        self.schedule_fired: Counter = meter.create_counter(
+            "duraflow.schedules.fired", unit="{run}",
+            description="Slots of durable schedules fired as runs, by schedule and task")
+        self.schedule_skipped: Counter = meter.create_counter(
+            "duraflow.schedules.skipped", unit="{slot}",
+            description="Slots of durable schedules not fired, by schedule and reason "
+                        "(missed: dropped by the catch-up policy; overlap: by the overlap "
+                        "policy)")
         self.store_outages: Counter = meter.create_counter(
             "duraflow.store.outages", unit="{delivery}",
             description="Deliveries that found the store unavailable and came back later "
@@ -440,6 +452,25 @@ def _on_slot_taken(sender: Any = None, task_id: str = "", scope: str = "", key: 
                                                  LIMIT_SCOPE: scope})
 
 
+def _on_schedule_fired(sender: Any = None, schedule: str = "", slot: Any = None,
+                       task_id: str = "", task_name: str = "", **_: Any) -> None:
+    instruments = _instruments
+    if instruments is None:
+        return
+    instruments.schedule_fired.add(1, {SCHEDULE: schedule, TASK_NAME: task_name})
+    _event("duraflow.schedule.fired", {
+        SCHEDULE: schedule, TASK_ID: task_id, TASK_NAME: task_name,
+        SLOT: slot.isoformat() if slot is not None else ""})
+
+
+def _on_schedule_skipped(sender: Any = None, schedule: str = "", count: int = 0,
+                         reason: str = "", **_: Any) -> None:
+    instruments = _instruments
+    if instruments is None:
+        return
+    instruments.schedule_skipped.add(int(count), {SCHEDULE: schedule, REASON: reason})
+
+
 _RECEIVERS = (
     (attempt_started, _on_attempt_started),
     (attempt_finished, _on_attempt_finished),
@@ -457,6 +488,8 @@ _RECEIVERS = (
     (store_unavailable, _on_store_unavailable),
     (limit_waited, _on_limit_waited),
     (slot_taken, _on_slot_taken),
+    (schedule_fired, _on_schedule_fired),
+    (schedule_skipped, _on_schedule_skipped),
 )
 
 
