@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, cast
 
@@ -57,6 +57,8 @@ class FirePass:
     fired: list[str]
     #: The earliest next slot of a schedule that is not paused; None when there is none.
     next_due: datetime | None
+    #: The schedules that were due and not fired, by name, with the reason (also logged).
+    broken: dict[str, str] = field(default_factory=dict)
 
 
 def _refuse(name: Any, why: str) -> InvalidSchedule:
@@ -308,13 +310,24 @@ def _send(app: Any, fired: Sequence[SlotRun]) -> list[str]:
     return sent
 
 
+def _not_durable(app: Any, schedule: Schedule) -> str | None:
+    """Why this process may not fire ``schedule``'s task, if it may not."""
+    if isinstance(app.tasks.get(schedule.task_name), DurableTask):
+        return None
+    return (f"its task {schedule.task_name} is not registered in this app as a durable task "
+            "(import the module that defines it in the scheduler's app)")
+
+
 def fire_schedules(app: Any = None) -> FirePass:
     """One firing pass: fire every due slot of every schedule, once, and send its run.
 
     Any number of processes may call it at once; each slot fires in exactly one.
     """
     app, config = app_and_config(app)
-    fired = store_for(config).fire_due()
+    fired = store_for(config).fire_due(refuse=lambda schedule: _not_durable(app, schedule))
+    for name, why in fired.broken:
+        logger.error("schedule %r is not fired: %s. Its slots wait (and follow its catch-up "
+                     "policy) until this is fixed.", name, why)
     for name, count, first, last, reason, policy in fired.skipped:
         span = f" from {first.isoformat()} to {last.isoformat()}" if first and last else ""
         logger.warning("schedule %r: %d slot(s)%s not fired (%s, %s)", name, count, span,
@@ -328,5 +341,6 @@ def fire_schedules(app: Any = None) -> FirePass:
             logger.info("cancelled run %s: a newer slot of its schedule fired", task_id)
         except DuraflowError:
             logger.warning("could not cancel run %s", task_id, exc_info=True)
-    return FirePass(fired=_send(app, fired.runs), next_due=fired.next_due)
+    return FirePass(fired=_send(app, fired.runs), next_due=fired.next_due,
+                    broken=dict(fired.broken))
 

@@ -14,7 +14,7 @@ insert of a slot's run, by any path, finds the row and adds nothing.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -135,7 +135,10 @@ class Fired:
     #: (schedule, slots skipped, first, last, reason: "missed" or "overlap", policy).
     skipped: list[tuple[str, int, datetime | None, datetime | None, str, str]] = field(
         default_factory=list)
-    #: The earliest next slot of an unpaused schedule after the pass (None: none).
+    #: Schedules left unfired because they cannot be fired faithfully: (name, why).
+    broken: list[tuple[str, str]] = field(default_factory=list)
+    #: The earliest next slot of an unpaused schedule after the pass, those in
+    #: :attr:`broken` left out (None: none).
     next_due: datetime | None = None
 
 
@@ -297,8 +300,15 @@ class ScheduleStatements(Database):
         return [SlotRun(schedule.name, slot, records[task_id])
                 for slot, task_id in zip(slots, ids, strict=True) if task_id in records]
 
-    def fire_due(self, *, now: datetime | None = None) -> Fired:
-        """One firing pass over the schedules due at ``now`` (the store's clock)."""
+    def fire_due(self, *, now: datetime | None = None,
+                 refuse: Callable[[Schedule], str | None] | None = None) -> Fired:
+        """One firing pass over the schedules due at ``now`` (the store's clock).
+
+        A schedule that cannot be fired faithfully (its stored timing no longer parses
+        here, or ``refuse`` gives a reason, such as a task this process does not know as
+        durable) is left as it is, due, and reported in :attr:`Fired.broken`; the
+        others fire.
+        """
         table, runs = self.tables.schedules, self.tables.runs
         now = now or utc_now()
         fired = Fired()
@@ -315,10 +325,15 @@ class ScheduleStatements(Database):
                                              runs.c.status.not_in(FINISHED))).scalars()
                           ) if last else set()
             for schedule in rows:
+                reason = _unfirable(schedule, refuse)
+                if reason is not None:
+                    fired.broken.append((schedule.name, reason))
+                    continue
                 self._fire_one(conn, schedule, now, schedule.last_run_id in running, fired)
+            broken = [name for name, _reason in fired.broken]
             fired.next_due = conn.execute(
-                select(func.min(table.c.next_fire_at)).where(table.c.paused.is_(False))
-            ).scalar()
+                select(func.min(table.c.next_fire_at))
+                .where(table.c.paused.is_(False), table.c.name.not_in(broken))).scalar()
         fired.next_due = as_utc(fired.next_due)
         return fired
 
@@ -380,6 +395,19 @@ class ScheduleStatements(Database):
             conn.execute(update(table).where(table.c.name == name)
                          .values(fired=table.c.fired + len(inserted), updated_at=now))
         return inserted, len(slots)
+
+
+def _unfirable(schedule: Schedule, refuse: Callable[[Schedule], str | None] | None,
+               ) -> str | None:
+    try:
+        schedule.spec  # noqa: B018 - parsed here, so that a bad row stops only itself
+    except ValueError as exc:
+        return f"its stored timing cannot be used here: {exc}"
+    if schedule.catchup not in spec_.CATCHUP_POLICIES:
+        return f"its catch-up policy {schedule.catchup!r} is unknown to this release"
+    if schedule.overlap not in spec_.OVERLAP_POLICIES:
+        return f"its overlap policy {schedule.overlap!r} is unknown to this release"
+    return refuse(schedule) if refuse is not None else None
 
 
 def _origin_text(origin: str) -> str:

@@ -50,6 +50,8 @@ ENTRY_KEYS = frozenset({"task", "schedule", "args", "kwargs", "options", "relati
 #: a slot kept back for a run that ended, is found within this many seconds (well within
 #: the minute a slot may be late and still fire).
 STORE_POLL = 5.0
+#: How soon a scheduler looks again at schedules another scheduler was firing.
+BUSY_RETRY = 0.5
 
 
 def _plain_allowed(task_name: str) -> bool:
@@ -145,7 +147,11 @@ class DurableScheduler(Scheduler):  # type: ignore[misc]
         except (StoreUnavailable, DuraflowError) as exc:
             logger.error("could not fire schedules: %s; trying again in %g s", exc, STORE_POLL)
             return min(STORE_POLL, float(self.max_interval))
-        return _until(fired.next_due, min(STORE_POLL, float(self.max_interval)))
+        cap = min(STORE_POLL, float(self.max_interval))
+        if not fired.fired and fired.next_due is not None and fired.next_due <= _clock.now():
+            # Due, yet nothing fired: another scheduler holds those rows right now.
+            return min(BUSY_RETRY, cap)
+        return _until(fired.next_due, cap)
 
     @property
     def info(self) -> str:

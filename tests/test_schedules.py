@@ -36,7 +36,9 @@ from celery_duraflow import (
     step,
     wait_for_signal,
 )
+from celery_duraflow._config import config_for_app
 from celery_duraflow._schedule_spec import Cron, Every, due_slots, next_fires, slots, time_zone
+from celery_duraflow._store import store_for
 
 NEW_YORK = "America/New_York"
 START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=UTC)
@@ -350,3 +352,32 @@ def test_adding_again_changes_the_schedule_and_keeps_its_pause(
     assert remove_schedule("report", app=app) is False
     with pytest.raises(ScheduleNotFound):
         get_schedule("report", app=app)
+
+
+def test_a_schedule_that_cannot_be_fired_faithfully_waits_and_the_others_fire(
+        app: Celery, make_app: Callable[..., Celery], clock: Clock) -> None:
+    """A scheduler whose app does not know the task as durable, or a stored time zone this
+    host does not know, leaves that schedule unfired and due (no run row), names it, and
+    fires the others; the right app fires the waiting slot afterwards."""
+    add_schedule("durable", "report", every=60, app=app)
+    add_schedule("zoned", "report", cron="* * * * *", timezone=NEW_YORK, app=app)
+    store = store_for(config_for_app(app))
+    with store.transaction("a row written by a host with other time zones") as conn:
+        conn.execute(store.tables.schedules.update()
+                     .where(store.tables.schedules.c.name == "zoned")
+                     .values(timezone="Atlantis/Capital"))
+    elsewhere = make_app()
+
+    @elsewhere.task(name="report")
+    def report() -> None:
+        return None
+
+    clock.advance(minutes=1)
+    fired = fire_schedules(elsewhere)
+    assert fired.fired == []
+    assert "not registered in this app as a durable task" in fired.broken["durable"]
+    assert "Atlantis/Capital" in fired.broken["zoned"]
+    assert get_run(schedule_run_id("durable", START + timedelta(minutes=1)), app=app) is None
+    assert fire_schedules(app).fired == [schedule_run_id("durable",
+                                                         START + timedelta(minutes=1))]
+    assert list(fire_schedules(app).broken) == ["zoned"]
