@@ -1,7 +1,8 @@
-"""Showing runs, recorded values, times and durations to people.
+"""Showing runs, schedules, recorded values, times and durations to people.
 
-The one set of display helpers of the CLI (``celery -A proj duraflow ...``) and
-the web view, so that both say the same thing the same way. Times are UTC.
+The one set of display helpers of the CLI (``celery -A proj duraflow ...``),
+the web view and the Django admin, so that they say the same thing the same
+way. Times are UTC.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from datetime import date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any, Protocol
 from uuid import UUID
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from ._flow_store import QueuePlace
 from ._store import FINISHED, SLEEPING, WAITING
@@ -109,6 +111,66 @@ def run_note(run: ShownRun, *, say_no_timeout: bool = True) -> str:
         notes.insert(0, waits_for(run.wait_kind, run.waiting_for, run.wake_at,
                                   say_no_timeout=say_no_timeout))
     return "; ".join(note for note in notes if note)
+
+
+class ShownSchedule(Protocol):
+    """What the notes about a schedule read of it: a ``Schedule`` or the admin's row."""
+
+    @property
+    def catchup(self) -> str: ...
+    @property
+    def catchup_window(self) -> float | None: ...
+    @property
+    def overlap(self) -> str: ...
+    @property
+    def paused(self) -> bool: ...
+    @property
+    def note(self) -> str | None: ...
+    @property
+    def next_fire_at(self) -> datetime: ...
+    @property
+    def buffered_at(self) -> datetime | None: ...
+
+
+def catchup_note(schedule: ShownSchedule) -> str:
+    """A schedule's catch-up policy, with its window for ``all``: ``all within 1d0h``."""
+    if schedule.catchup == "all" and schedule.catchup_window is not None:
+        return f"all within {span(timedelta(seconds=schedule.catchup_window))}"
+    return schedule.catchup
+
+
+def schedule_policies(schedule: ShownSchedule) -> str:
+    """``catch-up skip, overlap buffer_one``: what a schedule does with late and
+    overlapping slots."""
+    return f"catch-up {catchup_note(schedule)}, overlap {schedule.overlap}"
+
+
+def schedule_state(schedule: ShownSchedule) -> str:
+    """``active``, ``paused``, or ``paused: <note>`` when the pause gave a reason."""
+    if not schedule.paused:
+        return "active"
+    return f"paused: {schedule.note}" if schedule.note else "paused"
+
+
+def next_slot(schedule: ShownSchedule) -> datetime | None:
+    """The slot a schedule fires next (one kept back by ``buffer_one`` first); None while
+    it is paused."""
+    if schedule.paused:
+        return None
+    return schedule.buffered_at or schedule.next_fire_at
+
+
+def wall_time(moment: datetime | None, zone: str | None) -> str:
+    """``moment`` as the clocks of time zone ``zone`` read it (``03:00:00 CEST``), for a
+    cron schedule read in a zone other than UTC; ``""`` for UTC, no zone or no moment, or
+    a zone this machine does not know."""
+    if moment is None or not zone or zone == "UTC":
+        return ""
+    try:
+        local = moment.astimezone(ZoneInfo(zone))
+    except (ZoneInfoNotFoundError, ValueError):
+        return ""
+    return f"{local:%Y-%m-%d %H:%M:%S} {local.tzname()} ({zone})"
 
 
 def step_duration(step: ShownStep) -> timedelta | None:

@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, NoReturn
 
 import click
@@ -27,22 +27,36 @@ from kombu.exceptions import OperationalError as BrokerError
 from . import _admin, _clock, _history, _replay
 from ._config import config_for_app
 from ._format import (
+    catchup_note,
     clip,
     join_summary,
     json_default,
     json_text,
+    next_slot,
     queue_note,
     run_note,
+    schedule_state,
     span,
     step_duration,
     unwinding_note,
     waits_for,
+    wall_time,
     when,
 )
 from ._operations import cancel as cancel_run
 from ._operations import retry_run
 from ._patched import MARKER_PREFIX
 from ._recovery import recover_forever, sweep
+from ._schedules import (
+    Schedule,
+    backfill_schedule,
+    get_schedule,
+    list_schedules,
+    next_fire_times,
+    pause_schedule,
+    remove_schedule,
+    resume_schedule,
+)
 from ._schema import LATEST_VERSION
 from ._serialization import Unreadable, visible
 from ._store import (
@@ -691,6 +705,258 @@ def retry(ctx: click.Context, task_id: str, from_step: str | None) -> None:
     else:
         _echo(ctx, f"run {task_id} ({run.task_name}) sent again from step {from_step!r}: "
                    "that step and every later one run again")
+
+
+# -- schedules -----------------------------------------------------------------------------
+
+
+@duraflow.group(invoke_without_command=True)
+@click.pass_context
+def schedules(ctx: click.Context) -> None:
+    """List durable schedules, or show, pause, resume, backfill or remove one.
+
+    Without a subcommand, lists them (as `schedules list` does). The
+    schedules of beat_schedule are stored by the durable beat scheduler when
+    it starts; the others by add_schedule(). Times are printed in UTC, with
+    the wall-clock time of a cron schedule's own time zone beside them.
+    """
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(schedule_list)
+
+
+def _schedule_json(schedule: Schedule, **extra: Any) -> dict[str, Any]:
+    """A schedule's row as JSON, without its recorded arguments, with its timing in words."""
+    data = {field.name: getattr(schedule, field.name)
+            for field in dataclasses.fields(schedule) if field.name != "args"}
+    data["timing"] = schedule.describe()
+    data.update(extra)
+    return data
+
+
+def _origin(schedule: Schedule) -> str:
+    return "beat_schedule" if schedule.origin == "code" else "added at run time"
+
+
+@schedules.command(name="list", cls=CeleryCommand)
+@click.option("--json", "as_json", is_flag=True, cls=CeleryOption,
+              help_group="Output Options",
+              help="Print a JSON array, one object per schedule, with ISO 8601 times.")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def schedule_list(ctx: click.Context, as_json: bool = False) -> None:
+    """List the stored schedules by name.
+
+    For each: its task, when it fires, its catch-up and overlap policies,
+    whether it is paused, its next slot (the slot kept back by the buffer_one
+    policy first), its last slot fired, and how many slots it fired and
+    skipped. Exit status 0, also when none is stored; 1 when the store cannot
+    be read.
+    """
+    try:
+        found = list_schedules(app=ctx.obj.app)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    if as_json:
+        _print_json(ctx, [_schedule_json(schedule) for schedule in found])
+        return
+    if not found:
+        _echo(ctx, "no schedules are stored (add one with add_schedule() or a durable entry "
+                   "of beat_schedule)")
+        return
+    rows = [[s.name, s.task_name, s.describe(), catchup_note(s), s.overlap,
+             "paused" if s.paused else "active", when(next_slot(s)), when(s.last_slot_at),
+             str(s.fired), str(s.skipped)] for s in found]
+    headers = ["NAME", "TASK", "TIMING", "CATCH-UP", "OVERLAP", "STATE", "NEXT (UTC)",
+               "LAST SLOT (UTC)", "FIRED", "SKIPPED"]
+    for line in _table(headers, rows, shrink=(2, 1, 0), drop=(9, 8, 7, 3, 4)):
+        _echo(ctx, line)
+    paused = sum(s.paused for s in found)
+    _echo(ctx, f"{len(found)} schedule(s), {paused} paused")
+
+
+@schedules.command(name="show", cls=CeleryCommand)
+@click.argument("name")
+@click.option("--count", type=click.IntRange(1, 100), default=5, show_default=True,
+              cls=CeleryOption, help_group="Output Options",
+              help="How many of the next fire times to print.")
+@click.option("--json", "as_json", is_flag=True, cls=CeleryOption,
+              help_group="Output Options",
+              help="Print the schedule and its next fire times as JSON.")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def schedule_show(ctx: click.Context, name: str, count: int, as_json: bool) -> None:
+    """Show schedule NAME and its next --count fire times.
+
+    A paused schedule has none: it fires from its first slot after it is
+    resumed. Exit status 0; 1 when no schedule has that name or the store
+    cannot be read.
+    """
+    app = ctx.obj.app
+    try:
+        schedule = get_schedule(name, app=app)
+        upcoming = next_fire_times(name, count, app=app)
+        last = (_store(ctx).get_run(schedule.last_run_id)
+                if schedule.last_run_id is not None else None)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    if as_json:
+        _print_json(ctx, _schedule_json(schedule, next_fire_times=upcoming,
+                                        last_run_status=last.status if last else None))
+        return
+    routing = ", ".join(f"{label} {value}" for label, value in (
+        ("routing key", schedule.routing_key), ("exchange", schedule.exchange),
+        ("priority", schedule.priority)) if value is not None)
+    last_run = "-"
+    if schedule.last_run_id is not None:
+        last_run = f"{schedule.last_run_id} ({last.status if last else 'not recorded'})"
+    header = [("name", schedule.name), ("task", schedule.task_name),
+              ("origin", _origin(schedule)), ("timing", schedule.describe()),
+              ("catch-up", catchup_note(schedule)), ("overlap", schedule.overlap),
+              ("state", schedule_state(schedule)), ("routing", routing or "-"),
+              ("kept back", when(schedule.buffered_at)),
+              ("last slot", when(schedule.last_slot_at)), ("last run", last_run),
+              ("fired", str(schedule.fired)), ("skipped", str(schedule.skipped)),
+              ("created", when(schedule.created_at)), ("updated", when(schedule.updated_at))]
+    width = max(len(label) for label, _ in header)
+    for label, value in header:
+        _echo(ctx, f"{label.ljust(width)}  {_one_line(value)}")
+    _echo(ctx, "")
+    if schedule.paused:
+        _echo(ctx, f"paused: no slot fires until it is resumed (duraflow schedules resume "
+                   f"{name})")
+        return
+    zone = schedule.timezone if schedule.cron is not None else None
+    _echo(ctx, f"next {len(upcoming)} fire time(s) (UTC):")
+    for moment in upcoming:
+        local = wall_time(moment, zone)
+        _echo(ctx, f"  {when(moment)}" + (f"  {local}" if local else ""))
+
+
+@schedules.command(name="pause", cls=CeleryCommand)
+@click.argument("name")
+@click.option("--note", default=None, metavar="TEXT", cls=CeleryOption,
+              help_group="Pause Options", help="Why it is paused (shown with it).")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def schedule_pause(ctx: click.Context, name: str, note: str | None) -> None:
+    """Stop schedule NAME from firing until it is resumed.
+
+    Runs already fired go on. Pausing a paused schedule replaces its note.
+    Exit status 0; 1 when no schedule has that name or the store cannot be
+    reached.
+    """
+    app = ctx.obj.app
+    try:
+        before = get_schedule(name, app=app)
+        pause_schedule(name, note=note, app=app)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    again = " (it was paused already)" if before.paused else ""
+    _echo(ctx, f"schedule {name!r} paused{again}: no slot fires until `duraflow schedules "
+               f"resume {name}`")
+
+
+@schedules.command(name="resume", cls=CeleryCommand)
+@click.argument("name")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def schedule_resume(ctx: click.Context, name: str) -> None:
+    """Let schedule NAME fire again, from its first slot after now.
+
+    The slots it was paused over do not fire; `schedules backfill` fires
+    them. Exit status 0, also when it was not paused (nothing changes then);
+    1 when no schedule has that name or the store cannot be reached.
+    """
+    app = ctx.obj.app
+    try:
+        before = get_schedule(name, app=app)
+        if not before.paused:
+            _echo(ctx, f"schedule {name!r} is not paused; nothing changed")
+            return
+        after = resume_schedule(name, app=app)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    _echo(ctx, f"schedule {name!r} resumed: its next slot is {when(next_slot(after))} UTC; "
+               "the slots it was paused over stay unfired (backfill them to run them)")
+
+
+def _aware(ctx: click.Context, param: click.Parameter, value: str | None) -> datetime | None:
+    """Read an ISO 8601 date and time that names its offset (``Z``, ``+02:00``)."""
+    if value is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r} is not an ISO 8601 date and time; give one such as "
+            "2026-06-01T00:00:00Z or 2026-06-01T02:00:00+02:00", ctx=ctx, param=param) from None
+    if moment.tzinfo is None:
+        raise click.BadParameter(
+            f"{value!r} has no time zone, so it could be any of 24 instants; add its offset, "
+            f"such as {value.strip()}Z for UTC or {value.strip()}+02:00", ctx=ctx,
+            param=param)
+    return moment
+
+
+@schedules.command(name="backfill", cls=CeleryCommand)
+@click.argument("name")
+@click.option("--from", "start", callback=_aware, required=True, metavar="ISO",
+              cls=CeleryOption, help_group="Backfill Options",
+              help="First moment of the range, with its offset (2026-06-01T00:00:00Z).")
+@click.option("--to", "end", callback=_aware, required=True, metavar="ISO",
+              cls=CeleryOption, help_group="Backfill Options",
+              help="Last moment of the range (in the past), with its offset.")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def schedule_backfill(ctx: click.Context, name: str, start: datetime, end: datetime) -> None:
+    """Fire every slot of schedule NAME from --from to --to that has no run yet.
+
+    Both ends are included and must be in the past; the schedule's catch-up
+    and overlap policies do not apply, and a paused schedule is backfilled
+    too. A slot that has a run keeps it, so running the same backfill again
+    sends nothing. Prints how many runs were sent, then their task ids, one
+    a line. Exit status 0; 1 when no schedule has that name, the range is
+    refused (in the future, reversed, more than 10,000 slots) or the store
+    cannot be reached; 2 for a time without an offset.
+    """
+    try:
+        sent = backfill_schedule(name, start, end, app=ctx.obj.app)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    span_text = f"from {when(start.astimezone(UTC))} to {when(end.astimezone(UTC))} UTC"
+    if not sent:
+        _echo(ctx, f"schedule {name!r} {span_text}: every slot had a run already (or there "
+                   "is none in the range); nothing was sent")
+        return
+    _echo(ctx, f"schedule {name!r} {span_text}: sent {len(sent)} run(s) for the slots that "
+               "had none:")
+    for task_id in sent:
+        _echo(ctx, task_id)
+
+
+@schedules.command(name="remove", cls=CeleryCommand)
+@click.argument("name")
+@click.pass_context
+@handle_preload_options  # type: ignore[untyped-decorator]
+def schedule_remove(ctx: click.Context, name: str) -> None:
+    """Delete schedule NAME; the runs it fired stay.
+
+    A schedule declared in beat_schedule is stored again when the durable
+    beat scheduler next starts: take it out of beat_schedule too. Exit status
+    0; 1 when no schedule has that name or the store cannot be reached.
+    """
+    app = ctx.obj.app
+    try:
+        schedule = get_schedule(name, app=app)
+        removed = remove_schedule(name, app=app)
+    except DuraflowError as exc:
+        _fail(str(exc))
+    if not removed:  # removed by someone else in between
+        _fail(f"schedule {name!r} was removed meanwhile by another process; nothing to do")
+    _echo(ctx, f"schedule {name!r} removed; the runs it fired stay")
+    if schedule.origin == "code":
+        _echo(ctx, f"note: {name!r} is declared in beat_schedule, so the durable beat "
+                   "scheduler stores it again when it starts: remove it there too")
 
 
 # -- prune and migrate ---------------------------------------------------------------------
