@@ -1098,7 +1098,8 @@ def web(ctx: click.Context, host: str, port: int, token: str | None,
     """Serve a web view of the runs (needs the 'web' extra).
 
     Runs page, run pages with the step timeline, and Approve / Reject buttons
-    for runs waiting for a signal. Exit status 1 when the extra is missing, or
+    for runs waiting for a signal; a schedules page with Pause, Resume and
+    Backfill. Exit status 1 when the extra is missing, or
     when the token is empty, a placeholder or shorter than 16 characters, an
     allowed host or the URL prefix is not valid.
     """

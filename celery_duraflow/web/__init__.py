@@ -1,4 +1,7 @@
-"""A small web view of the recorded runs, with approve and reject for waiting runs.
+"""A small web view of the recorded runs and the durable schedules.
+
+Approve and reject waiting runs, cancel and retry runs, and pause, resume and
+backfill schedules.
 
 ::
 

@@ -6,6 +6,7 @@ import json
 import logging
 import re
 from collections.abc import Iterable
+from datetime import UTC, datetime
 from importlib import resources
 from typing import Any
 from urllib.parse import quote, urlencode
@@ -23,8 +24,20 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from .._format import clip, queue_note, run_note, span, unwinding_note, waits_for, when
+from .._format import (
+    catchup_note,
+    clip,
+    next_slot,
+    queue_note,
+    run_note,
+    span,
+    unwinding_note,
+    waits_for,
+    wall_time,
+    when,
+)
 from .._operations import cancel, retry_run
+from .._schedules import backfill_schedule, pause_schedule, resume_schedule
 from .._serialization import visible
 from .._store import (
     CANCELLED,
@@ -37,13 +50,21 @@ from .._store import (
     WAITING,
 )
 from .._waits import send_signal
-from ..errors import DuraflowError, RunNotFound, RunStateError, StoreUnavailable
+from ..errors import (
+    DuraflowError,
+    InvalidSchedule,
+    RunNotFound,
+    RunStateError,
+    ScheduleNotFound,
+    StoreUnavailable,
+)
 from ._data import (
     MAX_PAGE_SIZE,
     PAGE_SIZE,
     Cursor,
     load_run_page,
     load_runs_page,
+    load_schedules_page,
     store_of,
 )
 from ._security import (
@@ -96,6 +117,25 @@ def _compact(payload: Any, limit: int = 200) -> str:
     return clip(json.dumps(payload, ensure_ascii=False), limit)
 
 
+def _moment(text: str, what: str) -> datetime:
+    """A backfill form's time: ISO 8601, read as UTC unless it names its offset (the
+    browser's date and time field sends none, and the form says UTC)."""
+    text = text.strip()
+    if not text:
+        raise ValueError(f"give the {what} time, such as 2026-06-01T00:00 (UTC)")
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"the {what} time {text!r} is not a date and time such as "
+                         "2026-06-01T00:00 (UTC)") from None
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment
+
+
+def _gone(name: str, what: str) -> str:
+    return (f"No schedule named {name!r} is stored (it may have just been removed), so "
+            f"nothing was {what}.")
+
+
 class _Handlers:
     """The handlers of one app, sharing its Celery app, its guard and its templates."""
 
@@ -110,7 +150,8 @@ class _Handlers:
         self.env.globals.update(when=when, span=span, waits_for=waits_for, run_note=run_note,
                                 queue_note=queue_note,
                                 unwinding_note=unwinding_note, statuses=RUN_STATUSES,
-                                retryable=RETRYABLE)
+                                retryable=RETRYABLE, catchup_note=catchup_note,
+                                next_slot=next_slot, wall_time=wall_time)
         self.css = (resources.files("celery_duraflow.web") / "static" / "duraflow.css"
                     ).read_bytes()
 
@@ -123,6 +164,10 @@ class _Handlers:
     def run_url(self, request: Request, task_id: str, **query: str) -> str:
         url = f"{self.root(request)}/runs/{quote(task_id, safe='')}"
         return f"{url}?{urlencode(query)}" if query else url
+
+    def schedule_url(self, request: Request, name: str) -> str:
+        """Where the actions of schedule ``name`` are posted (``<url>/pause``...)."""
+        return f"{self.root(request)}/schedules/{quote(name, safe='')}"
 
     def session(self, request: Request) -> str | None:
         """The visitor's session cookie if it is valid, else None."""
@@ -148,6 +193,7 @@ class _Handlers:
             can_act=session is not None,
             csrf=self.guard.csrf_for(session) if session is not None else "",
             run_url=lambda task_id, **query: self.run_url(request, task_id, **query),
+            schedule_url=lambda name: self.schedule_url(request, name),
             **context,
         )
         return HTMLResponse(html, status_code=status_code)
@@ -187,6 +233,22 @@ class _Handlers:
         if not text or tone not in ("ok", "error") or not signature:
             return None
         if not self.guard.note_valid(task_id, tone, text, signature):
+            return None
+        return text, tone
+
+    def back_to_schedules(self, request: Request, text: str, tone: str = "ok") -> Response:
+        """Redirect to the schedules page, carrying a signed note about what was done."""
+        signature = self.guard.sign_page_note("schedules", tone, text)
+        query = urlencode({"note": text, "tone": tone, "sig": signature})
+        return RedirectResponse(f"{self.root(request)}/schedules?{query}", status_code=303)
+
+    def page_note(self, request: Request, page: str) -> tuple[str, str] | None:
+        """The note in the address, if this app wrote it for ``page``."""
+        params = request.query_params
+        text, tone, signature = params.get("note"), params.get("tone"), params.get("sig")
+        if not text or tone not in ("ok", "error") or not signature:
+            return None
+        if not self.guard.page_note_valid(page, tone, text, signature):
             return None
         return text, tone
 
@@ -240,6 +302,20 @@ class _Handlers:
         return self.render(request, "run.html", status_code=status_code, page=page,
                            run=page.view, note=note or self.note(request, task_id),
                            payload_text=payload_text)
+
+    async def schedules(self, request: Request) -> Response:
+        redirect = self.login_first(request)
+        if redirect is not None:
+            return redirect
+        return await self.schedules_response(request)
+
+    async def schedules_response(self, request: Request, *, status_code: int = 200,
+                                 note: tuple[str, str] | None = None,
+                                 typed: dict[str, dict[str, str]] | None = None) -> Response:
+        items = await run_in_threadpool(load_schedules_page, self.celery_app)
+        return self.render(request, "schedules.html", status_code=status_code, items=items,
+                           note=note or self.page_note(request, "schedules"),
+                           typed=typed or {})
 
     async def stylesheet(self, request: Request) -> Response:
         return Response(self.css, media_type="text/css",
@@ -365,6 +441,55 @@ class _Handlers:
         start = f"from step {from_step!r}" if from_step else "replaying its recorded steps"
         return self.back(request, task_id, f"Sent again under the same task id, {start}.")
 
+    async def schedule_pause(self, request: Request) -> Response:
+        form = await self.action_form(request)
+        name = request.path_params["name"]
+        note = _field(form, "note").strip() or None
+        try:
+            await run_in_threadpool(pause_schedule, name, note=note, app=self.celery_app)
+        except ScheduleNotFound:
+            return self.back_to_schedules(request, _gone(name, "paused"), "error")
+        why = f" ({note})" if note else ""
+        return self.back_to_schedules(request, f"Paused {name!r}{why}: none of its slots "
+                                               "fires until it is resumed.")
+
+    async def schedule_resume(self, request: Request) -> Response:
+        await self.action_form(request)
+        name = request.path_params["name"]
+        try:
+            schedule = await run_in_threadpool(resume_schedule, name, app=self.celery_app)
+        except ScheduleNotFound:
+            return self.back_to_schedules(request, _gone(name, "resumed"), "error")
+        return self.back_to_schedules(
+            request, f"Resumed {name!r}: its next slot is {when(next_slot(schedule))} UTC. "
+                     "The slots it was paused over stay unfired; backfill them to run them.")
+
+    async def schedule_backfill(self, request: Request) -> Response:
+        form = await self.action_form(request)
+        name = request.path_params["name"]
+        typed = {"start": _field(form, "start"), "end": _field(form, "end")}
+        try:
+            start, end = _moment(typed["start"], "from"), _moment(typed["end"], "to")
+        except ValueError as exc:
+            return await self.schedules_response(
+                request, status_code=400, typed={name: typed},
+                note=(f"Nothing was backfilled for {name!r}: {exc}.", "error"))
+        try:
+            sent = await run_in_threadpool(backfill_schedule, name, start, end,
+                                           app=self.celery_app)
+        except ScheduleNotFound:
+            return self.back_to_schedules(request, _gone(name, "backfilled"), "error")
+        except InvalidSchedule as exc:
+            return self.back_to_schedules(request, f"Not backfilled: {exc}", "error")
+        where = (f"Backfill of {name!r} from {when(start.astimezone(UTC))} to "
+                 f"{when(end.astimezone(UTC))} UTC")
+        if not sent:
+            return self.back_to_schedules(request, f"{where}: every slot had a run already "
+                                                   "(or the range holds none); nothing was "
+                                                   "sent.")
+        return self.back_to_schedules(request, f"{where}: {len(sent)} run(s) sent, one for "
+                                               "each slot that had none.")
+
     # -- errors ------------------------------------------------------------------------------
 
     async def http_error(self, request: Request, exc: Exception) -> Response:
@@ -420,9 +545,10 @@ def create_app(celery_app: Any, *, token: str | None = None,
     """The web view of the runs stored for ``celery_app``, as an ASGI application.
 
     Without ``token`` it is read-only: anyone who can reach it can read every
-    run, and every POST is refused with 403. With a token, visitors must log in
-    with it before they see anything, and may then approve or reject waiting
-    runs, send signals, cancel and retry. A token that is empty, a placeholder
+    run and schedule, and every POST is refused with 403. With a token, visitors
+    must log in with it before they see anything, and may then approve or reject
+    waiting runs, send signals, cancel and retry, and pause, resume and backfill
+    schedules (the schedules page, ``/schedules``). A token that is empty, a placeholder
     or shorter than 16 characters is refused with ValueError. Logging out ends
     the session in this process (see :mod:`celery_duraflow.web._security`).
 
@@ -447,6 +573,10 @@ def create_app(celery_app: Any, *, token: str | None = None,
         *(Route(f"{prefix}/runs/{{task_id:path}}/{action}", getattr(handlers, action),
                 methods=["POST"], name=action) for action in actions),
         Route(f"{prefix}/runs/{{task_id:path}}", handlers.run, methods=["GET"], name="run"),
+        Route(f"{prefix}/schedules", handlers.schedules, methods=["GET"], name="schedules"),
+        *(Route(f"{prefix}/schedules/{{name:path}}/{action}",
+                getattr(handlers, f"schedule_{action}"), methods=["POST"],
+                name=f"schedule_{action}") for action in ("pause", "resume", "backfill")),
         Route(f"{prefix}/login", handlers.login_page, methods=["GET"], name="login_page"),
         Route(f"{prefix}/login", handlers.login, methods=["POST"], name="login"),
         Route(f"{prefix}/logout", handlers.logout, methods=["POST"], name="logout"),

@@ -1,8 +1,10 @@
-"""What the pages show, read from the store: a page of runs, and one run in full.
+"""What the pages show, read from the store: a page of runs, one run in full, and the
+schedules.
 
 These functions block (they read the store); the handlers call them in a
 thread. The queries are the store's and :mod:`celery_duraflow._admin`'s (the
-CLI's listing), and a run is shown through its ``RunView``.
+CLI's listing), a run is shown through its ``RunView``, and schedules through
+the library's own functions (:mod:`celery_duraflow._schedules`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from .. import _admin
 from .._compensation import COMPENSATION_PREFIX
 from .._config import config_for_app
 from .._format import join_summary, json_text, step_duration
+from .._schedules import Schedule, list_schedules, next_fire_times
 from .._serialization import Unreadable, decode
 from .._store import (
     FINISHED,
@@ -26,7 +29,7 @@ from .._store import (
     store_for,
 )
 from .._view import RunView, StepView, _run_view, with_queue
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, ScheduleNotFound
 
 #: Runs per page, unless the address asks for another number (at most MAX_PAGE_SIZE).
 PAGE_SIZE = 50
@@ -35,6 +38,8 @@ MAX_PAGE_SIZE = 500
 MAX_SHOWN = 20_000
 #: Length of the one-line preview of a step's output in the timeline.
 PREVIEW = 120
+#: How many of each schedule's next fire times the schedules page shows.
+UPCOMING = 3
 
 
 def store_of(celery_app: Any) -> Store:
@@ -260,3 +265,34 @@ def load_run_page(celery_app: Any, task_id: str) -> RunPage | None:
     joins = [join_summary(key, counts) for key, counts in store.join_progress(task_id).items()]
     return RunPage(view=view, args=args, result=result, steps=steps,
                    problem=problem, errors=errors, joins=joins)
+
+
+# -- the schedules page ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScheduleItem:
+    """One schedule of the schedules page."""
+
+    schedule: Schedule
+    #: Its next fire times (none while it is paused).
+    upcoming: list[datetime]
+    #: The status of the run of its last slot; None when it fired none, or that run is
+    #: no longer recorded.
+    last_status: str | None
+
+
+def load_schedules_page(celery_app: Any) -> list[ScheduleItem]:
+    """Every stored schedule by name, with its next :data:`UPCOMING` fire times and the
+    status of its last run."""
+    store = store_for(config_for_app(celery_app))
+    items = []
+    for schedule in list_schedules(app=celery_app):
+        try:
+            upcoming = next_fire_times(schedule.name, UPCOMING, app=celery_app)
+        except ScheduleNotFound:  # removed since the list was read
+            continue
+        last = store.get_run(schedule.last_run_id) if schedule.last_run_id else None
+        items.append(ScheduleItem(schedule=schedule, upcoming=upcoming,
+                                  last_status=last.status if last is not None else None))
+    return items

@@ -229,6 +229,16 @@ class Guard:
         return secrets.compare_digest(signature.encode("ascii", "replace"),
                                       self.sign_note(task_id, tone, text).encode("ascii"))
 
+    def sign_page_note(self, page: str, tone: str, text: str) -> str:
+        """The signature that lets a note in the address of a page that shows no one run
+        (``page`` names it, such as ``schedules``) be shown there; never valid on a run's
+        page, nor a run page's note here."""
+        return _mac(self._key, "page-note", page, tone, text)
+
+    def page_note_valid(self, page: str, tone: str, text: str, signature: str) -> bool:
+        return secrets.compare_digest(signature.encode("ascii", "replace"),
+                                      self.sign_page_note(page, tone, text).encode("ascii"))
+
 
 def safe_next(target: str | None, root: str) -> str:
     """Where to go after logging in: a path of this app, never another site."""
