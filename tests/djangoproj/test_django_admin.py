@@ -44,7 +44,7 @@ from celery_duraflow._config import config_for_app
 from celery_duraflow._store import Store, close_all_stores, store_for
 from celery_duraflow.contrib.django import conf
 from celery_duraflow.contrib.django.admin import celery_app
-from celery_duraflow.contrib.django.models import Run, Signal, Step
+from celery_duraflow.contrib.django.models import Run, Schedule, Signal, Step
 from tests.conftest import app_factory, run_worker, wait_for_status
 
 pytestmark = pytest.mark.django_db(databases=["default", "lite"], transaction=True)
@@ -583,7 +583,8 @@ def test_nothing_can_be_added_changed_or_deleted(app: Celery) -> None:
     # No add, change or delete permission exists to be granted.
     codenames = set(Permission.objects.filter(content_type__app_label="duraflow")
                     .values_list("codename", flat=True))
-    assert codenames == {"view_run", "approve_run", "cancel_run", "retry_run"}
+    assert codenames == {"view_run", "approve_run", "cancel_run", "retry_run",
+                         "view_schedule", "pause_schedule", "backfill_schedule"}
 
 
 def test_the_celery_app_is_the_setting_or_celerys_current_app(settings: Any) -> None:
@@ -603,11 +604,12 @@ def test_the_celery_app_is_the_setting_or_celerys_current_app(settings: Any) -> 
 
 
 def test_makemigrations_has_nothing_to_write_for_the_run_models() -> None:
-    """The unmanaged run models are in the app's migrations: makemigrations --check is clean."""
+    """The unmanaged run and schedule models are in the app's migrations: makemigrations
+    --check is clean."""
     call_command("makemigrations", "duraflow", "--check", "--dry-run", verbosity=0)
     # The admin's configuration passes Django's system checks too.
     call_command("check", "duraflow", fail_level="WARNING", verbosity=0)
-    for model in (Run, Step, Signal):
+    for model in (Run, Step, Signal, Schedule):
         assert model._meta.managed is False
         assert model._meta.db_table.startswith(conf.table_prefix())
 

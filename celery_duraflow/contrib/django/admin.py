@@ -1,4 +1,5 @@
-"""The Django admin for durable runs: list them, read one, approve, reject, cancel, retry.
+"""The Django admin for durable runs: list them, read one, approve, reject, cancel, retry;
+and for durable schedules: list them, read one, pause, resume, backfill.
 
 Everything shown is read from the store's database alias (``conf.store_alias()``)
 through the read-only models; nothing can be added, changed or deleted here.
@@ -23,6 +24,14 @@ The operations use the Celery app named by the ``DURAFLOW_CELERY_APP`` setting
 (the app itself, or its dotted path such as ``"proj.celery.app"`` or
 ``"proj.celery:app"``), else Celery's current app, which a project laid out as
 Celery's Django guide says (``proj/__init__.py`` importing the app) already has.
+
+Schedules are listed with their timing, policies, state and next slot; a
+schedule's page adds its next fire times. Their actions call the library too:
+**pause** and **resume** (:func:`celery_duraflow.pause_schedule`,
+:func:`celery_duraflow.resume_schedule`) need ``duraflow.pause_schedule``, and
+**backfill** (:func:`celery_duraflow.backfill_schedule`), which asks for the
+range on an intermediate page first, needs ``duraflow.backfill_schedule``;
+seeing schedules needs ``duraflow.view_schedule``.
 """
 
 from __future__ import annotations
@@ -32,13 +41,16 @@ from collections.abc import Callable, Iterable
 from functools import partial, update_wrapper
 from typing import Any
 
+from django import forms
 from django.contrib import admin, messages
+from django.contrib.admin import helpers
 from django.contrib.admin.utils import quote, unquote
 from django.core.exceptions import ImproperlyConfigured, PermissionDenied
 from django.http import HttpResponseNotAllowed, HttpResponseRedirect
+from django.template.response import TemplateResponse
 from django.urls import path, reverse
 from django.utils import formats, timezone
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.module_loading import import_string
 from django.utils.safestring import SafeString
 
@@ -48,20 +60,31 @@ from ..._format import (
     clip,
     join_summary,
     json_text,
+    next_slot,
     queue_note,
     run_note,
+    schedule_policies,
+    schedule_state,
     span,
     step_duration,
     waits_for,
+    wall_time,
 )
 from ..._operations import cancel, retry_run
 from ..._records import FINISHED, STEP_RUNNING, STEP_WAITING, SUCCEEDED, WAITING
+from ..._schedules import Schedule as StoredSchedule
+from ..._schedules import (
+    backfill_schedule,
+    next_fire_times,
+    pause_schedule,
+    resume_schedule,
+)
 from ..._serialization import Unreadable, decode
 from ..._store import store_for
 from ..._waits import send_signal
 from ...errors import DuraflowError
 from . import conf
-from .models import Run, Signal, Step
+from .models import Run, Schedule, Signal, Step
 
 logger = logging.getLogger("celery_duraflow.contrib.django.admin")
 
@@ -77,6 +100,8 @@ RUN_ACTIONS = ("approve", "reject", "cancel", "retry")
 NAMED = 10
 #: How times are shown: to the second, with the time zone (Django's current one).
 TIME_FORMAT = "Y-m-d H:i:s T"
+#: How many next fire times a schedule's page shows.
+UPCOMING = 5
 
 
 def celery_app() -> Any:
@@ -473,3 +498,250 @@ def _shown(data: str, stored_with: str | None, *, task_id: str, step_key: str | 
 
 
 admin.site.register(Run, RunAdmin)
+
+
+# -- schedules -------------------------------------------------------------------------------
+
+
+def _stored(row: Schedule) -> StoredSchedule:
+    """The library's own record of a schedule's row, which knows how to read its timing."""
+    return StoredSchedule(**{name: getattr(row, name)
+                             for name in StoredSchedule.__dataclass_fields__})
+
+
+class BackfillForm(forms.Form):
+    """The range of a backfill: two past moments, read in Django's current time zone unless
+    they name their offset."""
+
+    start = forms.DateTimeField(label="From")
+    end = forms.DateTimeField(label="To")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        zone = timezone.get_current_timezone_name()
+        for field in self.fields.values():
+            field.help_text = (f"A date and time such as 2026-06-01 00:00:00, in {zone} (or "
+                               "ISO 8601 with its offset, such as 2026-06-01T00:00:00Z).")
+
+    def clean(self) -> dict[str, Any]:
+        data: dict[str, Any] = super().clean() or {}
+        for key in ("start", "end"):
+            value = data.get(key)
+            if value is not None and timezone.is_naive(value):
+                # USE_TZ = False: the moment is read in the project's time zone.
+                data[key] = timezone.make_aware(value)
+        start, end = data.get("start"), data.get("end")
+        if start is not None and end is not None and end < start:
+            raise forms.ValidationError("'To' is before 'From': give the earlier moment first.")
+        return data
+
+
+class ScheduleAdmin(admin.ModelAdmin):
+    """Durable schedules by name; a schedule's page shows its next fire times."""
+
+    list_display = ("name", "task_name", "timing", "policies", "state", "next_fire",
+                    "last_slot", "last_run", "fired", "skipped")
+    list_filter = ("paused", "origin", "task_name")
+    search_fields = ("name",)
+    ordering = ("name",)
+    list_per_page = 100
+    actions = ("pause_schedules", "resume_schedules", "backfill_schedules")
+    fieldsets = (
+        (None, {"fields": ("name", "task_name", "origin", "timing", "policies", "state",
+                           "upcoming", "kept_back", "last_slot", "last_run", "fired",
+                           "skipped")}),
+        ("Routing and record", {"classes": ("collapse",), "fields": (
+            "routing", "created", "updated")}),
+    )
+    readonly_fields = ("name", "task_name", "origin", "timing", "policies", "state",
+                       "upcoming", "kept_back", "last_slot", "last_run", "fired", "skipped",
+                       "routing", "created", "updated")
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def get_queryset(self, request: Any) -> Any:
+        return super().get_queryset(request).using(conf.store_alias())
+
+    @admin.display(description="timing")
+    def timing(self, schedule: Schedule) -> str:
+        try:
+            return _stored(schedule).describe()
+        except ValueError:  # a time zone this machine does not know
+            return f"cron {schedule.cron} ({schedule.timezone})" if schedule.cron else "-"
+
+    @admin.display(description="policies")
+    def policies(self, schedule: Schedule) -> str:
+        return schedule_policies(schedule)
+
+    @admin.display(description="state", ordering="paused")
+    def state(self, schedule: Schedule) -> str:
+        return schedule_state(schedule)
+
+    @admin.display(description="next fire at", ordering="next_fire_at")
+    def next_fire(self, schedule: Schedule) -> str:
+        slot = next_slot(schedule)
+        return shown_time(slot) if slot is not None else "- (paused)"
+
+    @admin.display(description="last slot", ordering="last_slot_at")
+    def last_slot(self, schedule: Schedule) -> str:
+        return shown_time(schedule.last_slot_at)
+
+    @admin.display(description="kept back (buffer_one)")
+    def kept_back(self, schedule: Schedule) -> str:
+        return shown_time(schedule.buffered_at)
+
+    @admin.display(description="created at")
+    def created(self, schedule: Schedule) -> str:
+        return shown_time(schedule.created_at)
+
+    @admin.display(description="updated at")
+    def updated(self, schedule: Schedule) -> str:
+        return shown_time(schedule.updated_at)
+
+    @admin.display(description="routing")
+    def routing(self, schedule: Schedule) -> str:
+        parts = [f"{label} {value}" for label, value in (
+            ("routing key", schedule.routing_key), ("exchange", schedule.exchange),
+            ("priority", schedule.priority)) if value is not None]
+        return ", ".join(parts) or "-"
+
+    @admin.display(description="last run")
+    def last_run(self, schedule: Schedule) -> SafeString | str:
+        if not schedule.last_run_id:
+            return "-"
+        url = reverse(f"admin:{self.opts.app_label}_run_change",
+                      args=(quote(schedule.last_run_id),), current_app=self.admin_site.name)
+        return format_html('<a href="{}">{}</a>', url, schedule.last_run_id)
+
+    @admin.display(description=f"next {UPCOMING} fire times")
+    def upcoming(self, schedule: Schedule) -> SafeString | str:
+        if schedule.paused:
+            return "none while it is paused"
+        try:
+            moments = next_fire_times(schedule.name, UPCOMING, app=celery_app())
+        except DuraflowError as exc:
+            return f"(cannot be read: {exc})"
+        zone = schedule.timezone if schedule.cron else None
+        return format_html_join(
+            "", "<div>{}{}</div>",
+            ((shown_time(moment), f" ({local})" if (local := wall_time(moment, zone)) else "")
+             for moment in moments))
+
+    def has_add_permission(self, request: Any) -> bool:
+        return False
+
+    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
+        return False
+
+    # -- what an operator may do to a schedule ----------------------------------------------
+
+    def _may(self, request: Any, codename: str) -> bool:
+        return bool(request.user.has_perm(f"{self.opts.app_label}.{codename}"))
+
+    def has_pause_permission(self, request: Any) -> bool:
+        return self._may(request, "pause_schedule")
+
+    def has_backfill_permission(self, request: Any) -> bool:
+        return self._may(request, "backfill_schedule")
+
+    @admin.action(permissions=("pause",), description="Pause the selected schedules")
+    def pause_schedules(self, request: Any, queryset: Iterable[Schedule]) -> None:
+        outcome = _Outcome()
+        for schedule in queryset:
+            if schedule.paused:
+                outcome.refuse(f"Schedule {schedule.name!r} was paused already: nothing "
+                               "changed.", messages.WARNING)
+                continue
+            done = self._operate(outcome, schedule, "Pause", partial(
+                pause_schedule, schedule.name, app=celery_app()))
+            if done is None:
+                continue
+            self.log_change(request, schedule, "Paused")
+            outcome.ok("Paused (none of their slots fires until they are resumed)",
+                       schedule.name)
+        outcome.tell(request)
+
+    @admin.action(permissions=("pause",), description="Resume the selected schedules")
+    def resume_schedules(self, request: Any, queryset: Iterable[Schedule]) -> None:
+        outcome = _Outcome()
+        for schedule in queryset:
+            if not schedule.paused:
+                outcome.refuse(f"Schedule {schedule.name!r} was not paused: nothing changed.",
+                               messages.WARNING)
+                continue
+            done = self._operate(outcome, schedule, "Resume", partial(
+                resume_schedule, schedule.name, app=celery_app()))
+            if done is None:
+                continue
+            self.log_change(request, schedule, "Resumed")
+            outcome.ok("Resumed (each fires from its next slot after now; the slots it was "
+                       "paused over stay unfired until backfilled)", schedule.name)
+        outcome.tell(request)
+
+    @admin.action(permissions=("backfill",),
+                  description="Backfill the selected schedules over a past range")
+    def backfill_schedules(self, request: Any, queryset: Any) -> TemplateResponse | None:
+        """Ask for the range on an intermediate page; once it is given, fire each selected
+        schedule's slots of that range that have no run."""
+        schedules = list(queryset)
+        if "apply" in request.POST:
+            form = BackfillForm(request.POST)
+            if form.is_valid():
+                self._backfill(request, schedules, form.cleaned_data["start"],
+                               form.cleaned_data["end"])
+                return None  # back to the list, with the messages
+        else:
+            form = BackfillForm()
+        context = {
+            **self.admin_site.each_context(request),
+            "title": "Backfill schedules",
+            "subtitle": None,
+            "opts": self.opts,
+            "schedules": [(schedule, self.timing(schedule)) for schedule in schedules],
+            "form": form,
+            "action_checkbox_name": helpers.ACTION_CHECKBOX_NAME,
+            "action": "backfill_schedules",
+            "media": self.media + form.media,
+        }
+        request.current_app = self.admin_site.name
+        return TemplateResponse(request, "admin/duraflow/schedule/backfill.html", context)
+
+    def _backfill(self, request: Any, schedules: list[Schedule], start: Any, end: Any) -> None:
+        outcome = _Outcome()
+        where = f"from {shown_time(start)} to {shown_time(end)}"
+        for schedule in schedules:
+            sent = self._operate(outcome, schedule, "Backfill", partial(
+                backfill_schedule, schedule.name, start, end, app=celery_app()))
+            if sent is None:
+                continue
+            self.log_change(request, schedule, f"Backfilled {where}: {len(sent)} run(s) sent")
+            if sent:
+                messages.success(request, f"Backfilled schedule {schedule.name!r} {where}: "
+                                          f"{len(sent)} run(s) sent, one for each slot that "
+                                          "had none.")
+            else:
+                outcome.refuse(f"Schedule {schedule.name!r} {where}: every slot had a run "
+                               "already (or the range holds none); nothing was sent.",
+                               messages.INFO)
+        outcome.tell(request)
+
+    @staticmethod
+    def _operate(outcome: _Outcome, schedule: Schedule, what: str,
+                 operation: Callable[[], Any]) -> Any:
+        """Run one operation; None (and a message) when it refused or failed."""
+        try:
+            return operation()
+        except DuraflowError as exc:
+            outcome.refuse(f"{what} of schedule {schedule.name!r} refused: {exc}")
+        except Exception as exc:
+            # A database or broker outage: say so on the page, log the rest.
+            logger.exception("%s of schedule %r failed", what, schedule.name)
+            outcome.refuse(f"{what} of schedule {schedule.name!r} failed "
+                           f"({type(exc).__name__}: {exc}); see the server log.")
+        return None
+
+
+admin.site.register(Schedule, ScheduleAdmin)

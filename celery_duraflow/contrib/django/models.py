@@ -16,6 +16,9 @@ What the schema holds, and how it is mapped:
 * steps: keyed by ``(task_id, step_key)``; a wait that was reached is a step
   row too (status ``waiting`` until it ends).
 * signals: keyed by ``(task_id, name)``; the first signal of a name is kept.
+* schedules: one row per durable schedule, keyed by its name. It is changed by
+  ``pause_schedule``, ``resume_schedule``, ``backfill_schedule`` and
+  ``remove_schedule`` (and the scheduler, as it fires slots), never here.
 
 Steps and signals have composite primary keys, declared with Django's
 ``CompositePrimaryKey``. Their ``run`` is a foreign key without a database
@@ -29,17 +32,23 @@ from typing import Any, get_args
 from django.db import models
 
 from ..._records import RUN_STATUSES, StepStatus, WaitKind
+from ..._schedule_schema import SCHEDULE_NAME_LENGTH
+from ..._schedule_spec import CATCHUP_POLICIES, OVERLAP_POLICIES
 from ..._schema import STEP_KEY_LENGTH, TASK_ID_LENGTH
 from . import conf
 
 RUN_STATUS_CHOICES = tuple((status, status) for status in RUN_STATUSES)
 STEP_STATUS_CHOICES = tuple((status, status) for status in get_args(StepStatus))
 WAIT_KIND_CHOICES = tuple((kind, kind) for kind in get_args(WaitKind))
+CATCHUP_CHOICES = tuple((policy, policy) for policy in CATCHUP_POLICIES)
+OVERLAP_CHOICES = tuple((policy, policy) for policy in OVERLAP_POLICIES)
+ORIGIN_CHOICES = (("code", "beat_schedule"), ("api", "added at run time"))
 
 
 _REFUSAL = ("rows of celery-duraflow's tables are written by the library only: use "
             "send_signal, cancel or retry_run to change a run, `celery duraflow prune` to "
-            "delete old ones.")
+            "delete old ones; pause_schedule, resume_schedule, backfill_schedule or "
+            "remove_schedule to change a schedule.")
 
 
 class ReadOnlyQuerySet(models.QuerySet):
@@ -181,3 +190,57 @@ class Signal(ReadOnlyModel):
 
     def __str__(self) -> str:
         return f"{self.run_id} {self.name}"
+
+
+class Schedule(ReadOnlyModel):
+    """One durable schedule (a row of ``<prefix>schedules``)."""
+
+    name = models.CharField(max_length=SCHEDULE_NAME_LENGTH, primary_key=True)
+    task_name = models.CharField(max_length=255)
+    origin = models.CharField(max_length=8, choices=ORIGIN_CHOICES)
+    cron = models.CharField(max_length=255, null=True)
+    timezone = models.CharField(max_length=64)
+    every = models.FloatField(null=True)
+    anchor_at = models.DateTimeField(null=True)
+    args = models.TextField(null=True)
+    exchange = models.CharField(max_length=255, null=True)
+    routing_key = models.CharField(max_length=255, null=True)
+    priority = models.IntegerField(null=True)
+    catchup = models.CharField(max_length=16, choices=CATCHUP_CHOICES)
+    catchup_window = models.FloatField(null=True)
+    overlap = models.CharField(max_length=16, choices=OVERLAP_CHOICES)
+    paused = models.BooleanField()
+    note = models.TextField(null=True)
+    next_fire_at = models.DateTimeField()
+    buffered_at = models.DateTimeField(null=True)
+    last_slot_at = models.DateTimeField(null=True)
+    last_run_id = models.CharField(max_length=TASK_ID_LENGTH, null=True)
+    fired = models.IntegerField()
+    skipped = models.IntegerField()
+    created_at = models.DateTimeField()
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        managed = False
+        db_table = f"{conf.table_prefix()}schedules"
+        verbose_name = "schedule"
+        verbose_name_plural = "schedules"
+        ordering = ("name",)
+        # As for runs: seen here, changed by the library's functions, one permission per
+        # kind of decision (stopping and starting a schedule, firing its past slots).
+        default_permissions = ("view",)
+        permissions = (
+            ("pause_schedule", "Can pause or resume a schedule"),
+            ("backfill_schedule", "Can backfill the past slots of a schedule"),
+        )
+
+    def __str__(self) -> str:
+        return str(self.name)
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Schedule rows are written by celery-duraflow only: use add_schedule, "
+                        "pause_schedule, resume_schedule or backfill_schedule to change one.")
+
+    def delete(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("Schedule rows are deleted by celery-duraflow only: use "
+                        "remove_schedule (or `celery duraflow schedules remove NAME`).")
