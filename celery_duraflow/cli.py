@@ -892,8 +892,8 @@ def _aware(ctx: click.Context, param: click.Parameter, value: str | None) -> dat
             "2026-06-01T00:00:00Z or 2026-06-01T02:00:00+02:00", ctx=ctx, param=param) from None
     if moment.tzinfo is None:
         raise click.BadParameter(
-            f"{value!r} has no time zone, so it could be any of 24 instants; add its offset, "
-            f"such as {value.strip()}Z for UTC or {value.strip()}+02:00", ctx=ctx,
+            f"{value!r} has no time zone, so the moment it means is unknown; add its "
+            f"offset, such as {value.strip()}Z for UTC or {value.strip()}+02:00", ctx=ctx,
             param=param)
     return moment
 
