@@ -264,10 +264,12 @@ def next_fire_times(name: str, count: int = 5, *, app: Any = None) -> list[datet
     """The next ``count`` slots of schedule ``name``, from the one it waits for (empty
     while it is paused)."""
     schedule = get_schedule(name, app=app)
-    if schedule.paused:
+    if schedule.paused or count <= 0:
         return []
-    first = schedule.buffered_at or schedule.next_fire_at
-    return [first, *spec_.next_fires(schedule.spec, first, max(0, count - 1))][:count]
+    # A slot kept back by buffer_one fires first; the slots dropped after it never do.
+    held = [schedule.buffered_at] if schedule.buffered_at is not None else []
+    following = spec_.next_fires(schedule.spec, schedule.next_fire_at, count - len(held) - 1)
+    return [*held, schedule.next_fire_at, *following][:count]
 
 
 def backfill_schedule(name: str, start: datetime, end: datetime, *,

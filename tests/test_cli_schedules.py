@@ -323,9 +323,6 @@ def test_remove_deletes_the_schedule_and_keeps_its_runs(app: Celery,
 # -- a known bug of the library, shown through the CLI -------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="next_fire_times() counts on from the slot buffer_one "
-                   "keeps back, so it lists the slots dropped after it (_schedules.py, not "
-                   "this change's to fix)")
 def test_show_of_a_schedule_holding_a_slot_back_lists_only_slots_that_fire(
         make_app: Callable[..., Celery], clock: list[datetime]) -> None:
     """With overlap=buffer_one holding slot 2 back and slot 3 dropped, the next fire times
