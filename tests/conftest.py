@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from celery import Celery
 from celery.contrib.testing.worker import start_worker
 from sqlalchemy import Engine, create_engine, text
 
+from celery_duraflow import _clock
 from celery_duraflow._schema import MIGRATIONS, build_tables
 from celery_duraflow._store import Store, close_all_stores
 
@@ -440,3 +441,34 @@ def wait_for_status(app: Celery, task_id: str, status: str, timeout: float = 15.
             return run
         time.sleep(0.02)
     raise AssertionError(f"run {task_id} is {run.status if run else 'unknown'}, not {status}")
+
+
+# -- the library's clock, set by a test --------------------------------------------------------
+
+#: Where the ``clock`` fixture starts: a fixed moment, so that slot times are known.
+CLOCK_START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=UTC)
+
+
+class Clock:
+    """The library's clock during a test: still until the test moves it."""
+
+    def __init__(self, start: datetime) -> None:
+        self.now = start
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def to(self, moment: datetime) -> None:
+        self.now = moment
+
+    def advance(self, **delta: float) -> None:
+        self.now += timedelta(**delta)
+
+
+@pytest.fixture
+def clock() -> Iterator[Clock]:
+    """The library's clock for the test, starting at CLOCK_START; put back after."""
+    fake = Clock(CLOCK_START)
+    previous = _clock.use(fake)
+    yield fake
+    _clock.use(previous)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -22,7 +22,6 @@ from click.testing import CliRunner, Result
 
 from celery_duraflow import (
     DurableTask,
-    _clock,
     add_schedule,
     fire_schedules,
     get_run,
@@ -39,8 +38,9 @@ from celery_duraflow._schedules import save
 from celery_duraflow._store import store_for
 from celery_duraflow.beat import entry_definition
 from celery_duraflow.errors import ScheduleNotFound
+from tests.conftest import CLOCK_START, Clock
 
-START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=UTC)
+START = CLOCK_START
 
 
 def duraflow(app: Celery, *args: str, columns: int = 400) -> Result:
@@ -71,17 +71,10 @@ def header_of(lines: list[str]) -> dict[str, str]:
     return {line[:width].strip(): line[width + 2:] for line in lines[:lines.index("")]}
 
 
-@pytest.fixture
-def clock() -> Iterator[list[datetime]]:
-    """The library's clock for the test: ``clock[0]``, starting at START."""
-    now = [START]
-    previous = _clock.use(lambda: now[0])
-    yield now
-    _clock.use(previous)
 
 
 @pytest.fixture
-def app(make_app: Callable[..., Celery], clock: list[datetime]) -> Celery:
+def app(make_app: Callable[..., Celery], clock: Clock) -> Celery:
     """An eager app on the test's database with a durable task that counts its bodies."""
     app = make_app()
     app.conf.calls = Counter()
@@ -138,12 +131,12 @@ def test_list_of_no_schedules_says_so(app: Celery) -> None:
 
 
 def test_show_prints_the_schedule_and_its_next_fire_times(app: Celery,
-                                                          clock: list[datetime]) -> None:
+                                                          clock: Clock) -> None:
     """`schedules show` prints the definition, the last run and the next --count slots in
     UTC with the schedule's wall-clock time; a paused one has none; --json has them too."""
     add_schedule("nightly", "report", cron=crontab(minute="0", hour="3"),
                  timezone="Europe/Paris", options={"priority": 5}, app=app)
-    clock[0] = datetime(2026, 6, 2, 1, 0, 10, tzinfo=UTC)
+    clock.now = datetime(2026, 6, 2, 1, 0, 10, tzinfo=UTC)
     fired = fire_schedules(app).fired
     assert fired == [schedule_run_id("nightly", datetime(2026, 6, 2, 1, tzinfo=UTC))]
 
@@ -186,7 +179,7 @@ def test_show_of_an_unknown_schedule_is_a_one_line_error(app: Celery) -> None:
 
 
 def test_pause_and_resume_change_the_stored_schedule(app: Celery,
-                                                     clock: list[datetime]) -> None:
+                                                     clock: Clock) -> None:
     """`pause --note` stops the slots from firing and keeps the note; `resume` fires again
     from the next slot after now, leaving the paused-over slots unfired."""
     add_schedule("minutely", "report", every=60, app=app)
@@ -195,7 +188,7 @@ def test_pause_and_resume_change_the_stored_schedule(app: Celery,
         "minutely`"]
     schedule = get_schedule("minutely", app=app)
     assert (schedule.paused, schedule.note) == (True, "mailer down")
-    clock[0] = START + timedelta(minutes=5, seconds=30)
+    clock.now = START + timedelta(minutes=5, seconds=30)
     assert fire_schedules(app).fired == []
 
     again = ok(duraflow(app, "schedules", "pause", "minutely", "--note", "still down"))
@@ -208,7 +201,7 @@ def test_pause_and_resume_change_the_stored_schedule(app: Celery,
     schedule = get_schedule("minutely", app=app)
     assert (schedule.paused, schedule.note) == (False, None)
     assert schedule.next_fire_at == START + timedelta(minutes=6)
-    clock[0] = START + timedelta(minutes=6)
+    clock.now = START + timedelta(minutes=6)
     assert fire_schedules(app).fired == [
         schedule_run_id("minutely", START + timedelta(minutes=6))]
 
@@ -228,12 +221,12 @@ def test_pause_and_resume_of_an_unknown_schedule_fail(app: Celery) -> None:
 
 
 def test_backfill_sends_the_slots_without_a_run_once(app: Celery,
-                                                     clock: list[datetime]) -> None:
+                                                     clock: Clock) -> None:
     """`backfill --from --to` creates and runs one run per slot of the range, prints their
     task ids, and sends nothing the second time."""
     add_schedule("minutely", "report", every=60, args=("hourly",), app=app)
     pause_schedule("minutely", app=app)
-    clock[0] = START + timedelta(minutes=10, seconds=30)
+    clock.now = START + timedelta(minutes=10, seconds=30)
 
     lines = ok(duraflow(app, "schedules", "backfill", "minutely",
                         "--from", "2026-06-01T12:01:00Z", "--to", "2026-06-01T14:05:00+02:00"))
@@ -262,11 +255,11 @@ def test_backfill_sends_the_slots_without_a_run_once(app: Celery,
 
 
 def test_backfill_refuses_naive_times_future_ranges_and_unknown_names(
-        app: Celery, clock: list[datetime]) -> None:
+        app: Celery, clock: Clock) -> None:
     """A time without an offset is a usage error (2); a range reaching the future or an
     unknown name exits 1 saying why; none of them creates a run."""
     add_schedule("minutely", "report", every=60, app=app)
-    clock[0] = START + timedelta(minutes=10)
+    clock.now = START + timedelta(minutes=10)
     naive = failed(duraflow(app, "schedules", "backfill", "minutely", "--from",
                             "2026-06-01T12:01:00", "--to", "2026-06-01T12:05:00Z"), code=2)
     assert "'2026-06-01T12:01:00' has no time zone" in naive
@@ -295,11 +288,11 @@ def test_backfill_refuses_naive_times_future_ranges_and_unknown_names(
 
 
 def test_remove_deletes_the_schedule_and_keeps_its_runs(app: Celery,
-                                                        clock: list[datetime]) -> None:
+                                                        clock: Clock) -> None:
     """`remove` deletes the schedule (its runs stay); a beat_schedule one gets a note that
     beat stores it again; removing an unknown name exits 1."""
     add_schedule("minutely", "report", every=60, app=app)
-    clock[0] = START + timedelta(minutes=1)
+    clock.now = START + timedelta(minutes=1)
     fired = fire_schedules(app).fired
     store = store_for(config_for_app(app))
     save(store, entry_definition(app, "declared", {"task": "report", "schedule": 3600}),
@@ -324,7 +317,7 @@ def test_remove_deletes_the_schedule_and_keeps_its_runs(app: Celery,
 
 
 def test_show_of_a_schedule_holding_a_slot_back_lists_only_slots_that_fire(
-        make_app: Callable[..., Celery], clock: list[datetime]) -> None:
+        make_app: Callable[..., Celery], clock: Clock) -> None:
     """With overlap=buffer_one holding slot 2 back and slot 3 dropped, the next fire times
     are slot 2, then slot 4 on: never the dropped slot 3."""
     app = make_app()
@@ -335,7 +328,7 @@ def test_show_of_a_schedule_holding_a_slot_back_lists_only_slots_that_fire(
 
     add_schedule("gate", "approve", every=60, overlap="buffer_one", app=app)
     for _ in range(3):
-        clock[0] += timedelta(minutes=1)
+        clock.now += timedelta(minutes=1)
         fire_schedules(app)
     schedule = get_schedule("gate", app=app)
     assert (schedule.buffered_at, schedule.next_fire_at, schedule.skipped) == (

@@ -8,7 +8,7 @@ PostgreSQL, and the side effects are counted in the task bodies.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,7 +20,6 @@ from celery_duraflow import (
     DurableTask,
     InvalidSchedule,
     ScheduleNotFound,
-    _clock,
     add_schedule,
     backfill_schedule,
     fire_schedules,
@@ -39,34 +38,14 @@ from celery_duraflow import (
 from celery_duraflow._config import config_for_app
 from celery_duraflow._schedule_spec import Cron, Every, due_slots, next_fires, slots, time_zone
 from celery_duraflow._store import store_for
+from tests.conftest import CLOCK_START, Clock
 
 NEW_YORK = "America/New_York"
-START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=UTC)
+START = CLOCK_START
 
 
-class Clock:
-    """The library's clock, moved by the test."""
-
-    def __init__(self, start: datetime) -> None:
-        self.now = start
-
-    def __call__(self) -> datetime:
-        return self.now
-
-    def to(self, moment: datetime) -> None:
-        self.now = moment
-
-    def advance(self, **delta: float) -> None:
-        self.now += timedelta(**delta)
 
 
-@pytest.fixture
-def clock() -> Iterator[Clock]:
-    """The library's clock for the test, starting at START."""
-    fake = Clock(START)
-    previous = _clock.use(fake)
-    yield fake
-    _clock.use(previous)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -20,7 +20,6 @@ from celery.schedules import crontab, schedule
 from celery_duraflow import (
     DurableTask,
     InvalidSchedule,
-    _clock,
     add_schedule,
     fire_schedules,
     get_run,
@@ -34,18 +33,12 @@ from celery_duraflow import (
 )
 from celery_duraflow import _schedules as schedules_module
 from celery_duraflow.beat import STORE_POLL, DurableScheduler
-from tests.test_schedules import START, Clock
+from tests.conftest import Clock
+from tests.test_schedules import START
 
 pytestmark = pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
 
 
-@pytest.fixture
-def clock() -> Iterator[Clock]:
-    """The library's clock for the test, starting at START."""
-    fake = Clock(START)
-    previous = _clock.use(fake)
-    yield fake
-    _clock.use(previous)
 
 
 def _app(make_app: Callable[..., Celery], **conf: Any) -> Celery:

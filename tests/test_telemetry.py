@@ -34,7 +34,6 @@ from celery_duraflow import (
     Concurrency,
     DurableTask,
     StoreUnavailable,
-    _clock,
     add_schedule,
     fire_schedules,
     recover,
@@ -48,7 +47,7 @@ from celery_duraflow._config import config_for_app
 from celery_duraflow._serialization import encode_arguments, get_serializer
 from celery_duraflow._store import Delivery, store_for
 from celery_duraflow.contrib import opentelemetry as otel
-from tests.conftest import app_factory, run_worker, wait_for_status
+from tests.conftest import Clock, app_factory, run_worker, wait_for_status
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # An owner on another machine: never judged gone by its pid, only by its expired lease.
@@ -536,7 +535,8 @@ def test_with_the_extra_telemetry_switches_itself_on(tmp_path: Path) -> None:
     assert receivers == "1 1"
 
 
-def test_schedule_metrics(sqlite_url: str, table_prefix: str, telemetry: Telemetry) -> None:
+def test_schedule_metrics(sqlite_url: str, table_prefix: str, telemetry: Telemetry,
+                          clock: Clock) -> None:
     """A firing pass counts each fired slot by schedule and the slots it passed over by
     reason, and records an event per fired slot on the current span."""
     app = app_factory(sqlite_url, table_prefix)(eager=False, task_default_queue=_queue())
@@ -545,17 +545,12 @@ def test_schedule_metrics(sqlite_url: str, table_prefix: str, telemetry: Telemet
     def tick() -> None:
         pass
 
-    start = datetime(2026, 6, 1, 12, tzinfo=UTC)
-    moment = [start]
-    previous = _clock.use(lambda: moment[0])
-    try:
-        add_schedule("hourly", "tick", every=3600, catchup="latest", app=app)
-        moment[0] = start + timedelta(hours=3, minutes=30)
-        tracer = telemetry.tracer_provider.get_tracer("the-user")
-        with tracer.start_as_current_span("beat-tick"):
-            fired = fire_schedules(app).fired
-    finally:
-        _clock.use(previous)
+    start = clock.now
+    add_schedule("hourly", "tick", every=3600, catchup="latest", app=app)
+    clock.advance(hours=3, minutes=30)
+    tracer = telemetry.tracer_provider.get_tracer("the-user")
+    with tracer.start_as_current_span("beat-tick"):
+        fired = fire_schedules(app).fired
     assert fired == [schedule_run_id("hourly", start + timedelta(hours=3))]
     assert telemetry.counts("duraflow.schedules.fired", "duraflow.schedule",
                             "duraflow.task_name") == {("hourly", "tick"): 1}

@@ -9,7 +9,7 @@ back from the store: the schedule's row, and the runs a backfill created.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from html import unescape
 from urllib.parse import unquote
@@ -19,7 +19,6 @@ from celery import Celery
 
 from celery_duraflow import (
     DurableTask,
-    _clock,
     add_schedule,
     fire_schedules,
     get_run,
@@ -29,6 +28,7 @@ from celery_duraflow import (
     schedule_run_id,
     step,
 )
+from tests.conftest import CLOCK_START, Clock
 from tests.test_web import (
     FOREIGN,
     TOKEN,
@@ -40,21 +40,14 @@ from tests.test_web import (
     text_of,
 )
 
-START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=UTC)
+START = CLOCK_START
 PAGE = "/schedules"
 
 
-@pytest.fixture
-def clock() -> Iterator[list[datetime]]:
-    """The library's clock for the test: ``clock[0]``, starting at START."""
-    now = [START]
-    previous = _clock.use(lambda: now[0])
-    yield now
-    _clock.use(previous)
 
 
 @pytest.fixture
-def app(make_app: Callable[..., Celery], clock: list[datetime]) -> Celery:
+def app(make_app: Callable[..., Celery], clock: Clock) -> Celery:
     """An app on the test's database (publishing to a queue of its own) with a durable task."""
     app = new_app(make_app)
 
@@ -95,13 +88,13 @@ def action_urls(html: str) -> list[str]:
 
 
 def test_page_lists_each_schedule_with_timing_policies_next_times_and_last_run(
-        app: Celery, clock: list[datetime]) -> None:
+        app: Celery, clock: Clock) -> None:
     """The schedules page shows each schedule's timing, policies, state and note, its next
     three fire times (with a cron zone's clock time) and a link to its last run."""
     add_schedule("nightly", "report", cron="0 3 * * *", timezone="Europe/Paris",
                  catchup="all", catchup_window=timedelta(hours=6), app=app)
     add_schedule("minutely", "report", every=60, overlap="buffer_one", app=app)
-    clock[0] = datetime(2026, 6, 2, 1, 0, 5, tzinfo=UTC)
+    clock.now = datetime(2026, 6, 2, 1, 0, 5, tzinfo=UTC)
     fired = fire_schedules(app).fired
     last = schedule_run_id("nightly", datetime(2026, 6, 2, 1, tzinfo=UTC))
     assert last in fired
@@ -138,7 +131,7 @@ def test_page_without_schedules_says_how_to_add_one(app: Celery) -> None:
 
 
 def test_read_only_view_has_no_forms_and_refuses_every_schedule_post(
-        app: Celery, clock: list[datetime]) -> None:
+        app: Celery, clock: Clock) -> None:
     """Without a token the page has no form, each action is refused with 403, a foreign
     Host gets 400, and the schedule is left as it was."""
     add_schedule("minutely", "report", every=60, app=app)
@@ -146,7 +139,7 @@ def test_read_only_view_has_no_forms_and_refuses_every_schedule_post(
     page = client.get(PAGE)
     assert page.status_code == 200 and "Read-only" in page.text
     assert 'method="post"' not in page.text and "<button" not in page.text
-    clock[0] = START + timedelta(minutes=5)
+    clock.now = START + timedelta(minutes=5)
     for action in ("pause", "resume", "backfill"):
         refused = client.post(f"{PAGE}/minutely/{action}",
                               data={"csrf": "x", "start": "2026-06-01T12:01",
@@ -178,7 +171,7 @@ def test_with_a_token_the_page_needs_a_login_and_a_csrf_field(app: Celery) -> No
 # -- the actions -----------------------------------------------------------------------------
 
 
-def test_pause_and_resume_from_the_page(app: Celery, clock: list[datetime]) -> None:
+def test_pause_and_resume_from_the_page(app: Celery, clock: Clock) -> None:
     """Pause (with a note) and Resume change the stored schedule, and the page says what was
     done; each form is offered only where it applies."""
     add_schedule("minutely", "report", every=60, app=app)
@@ -196,7 +189,7 @@ def test_pause_and_resume_from_the_page(app: Celery, clock: list[datetime]) -> N
     after = client.get(PAGE).text
     assert action_urls(after) == [f"{PAGE}/minutely/resume", f"{PAGE}/minutely/backfill"]
 
-    clock[0] = START + timedelta(minutes=5, seconds=30)
+    clock.now = START + timedelta(minutes=5, seconds=30)
     assert fire_schedules(app).fired == []
     resumed = client.post(f"{PAGE}/minutely/resume", data={"csrf": csrf})
     assert ("Resumed 'minutely': its next slot is 2026-06-01 12:06:00 UTC."
@@ -210,11 +203,11 @@ def test_pause_and_resume_from_the_page(app: Celery, clock: list[datetime]) -> N
 
 
 def test_backfill_from_the_page_creates_one_run_per_slot_once(
-        app: Celery, clock: list[datetime]) -> None:
+        app: Celery, clock: Clock) -> None:
     """Backfill creates and sends a run for each slot of the range (read as UTC), and
     nothing when repeated; the page says how many."""
     add_schedule("minutely", "report", every=60, args=("hourly",), app=app)
-    clock[0] = START + timedelta(minutes=10)
+    clock.now = START + timedelta(minutes=10)
     client = logged_in(app)
     csrf = csrf_of(client.get(PAGE).text)
 
@@ -238,11 +231,11 @@ def test_backfill_from_the_page_creates_one_run_per_slot_once(
 
 
 def test_backfill_refusals_are_shown_and_create_nothing(app: Celery,
-                                                        clock: list[datetime]) -> None:
+                                                        clock: Clock) -> None:
     """A time that does not parse is a 400 page keeping what was typed; a range reaching
     the future and an unknown schedule are notes; no run is created."""
     add_schedule("minutely", "report", every=60, app=app)
-    clock[0] = START + timedelta(minutes=10)
+    clock.now = START + timedelta(minutes=10)
     client = logged_in(app)
     csrf = csrf_of(client.get(PAGE).text)
 

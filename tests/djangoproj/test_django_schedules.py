@@ -24,7 +24,6 @@ from sqlalchemy import delete
 
 from celery_duraflow import (
     DurableTask,
-    _clock,
     add_schedule,
     fire_schedules,
     get_run,
@@ -37,12 +36,13 @@ from celery_duraflow._config import config_for_app
 from celery_duraflow._store import store_for
 from celery_duraflow.contrib.django import conf
 from celery_duraflow.contrib.django.models import Schedule
+from tests.conftest import CLOCK_START, Clock
 from tests.djangoproj.test_django_admin import app_on, client_with, messages_of, text_of
 
 pytestmark = pytest.mark.django_db(databases=["default", "lite"], transaction=True)
 
 SCHEDULES = "/admin/duraflow/schedule/"
-START = datetime(2026, 6, 1, 12, 0, 0, tzinfo=UTC)
+START = CLOCK_START
 
 
 def schedule_url(name: str) -> str:
@@ -55,17 +55,10 @@ def listed(html: str) -> list[str]:
             re.findall(r'href="/admin/duraflow/schedule/([^/"]+)/change/[^"]*"', html)]
 
 
-@pytest.fixture
-def clock() -> Iterator[list[datetime]]:
-    """The library's clock for the test: ``clock[0]``, starting at START."""
-    now = [START]
-    previous = _clock.use(lambda: now[0])
-    yield now
-    _clock.use(previous)
 
 
 @pytest.fixture(params=["default", "lite"])
-def app(request: pytest.FixtureRequest, settings: Any, clock: list[datetime]) -> Iterator[Celery]:
+def app(request: pytest.FixtureRequest, settings: Any, clock: Clock) -> Iterator[Celery]:
     """A Celery app on the alias's test database (PostgreSQL, then SQLite), named to the
     admin, with a durable task; the store's schedules are deleted before and after."""
     for celery_app in app_on(str(request.param), settings):
@@ -99,13 +92,13 @@ def act(client: Any, action: str, names: list[str], **data: Any) -> Any:
 
 
 def test_list_and_page_show_timing_policies_state_and_next_fire_times(
-        app: Celery, clock: list[datetime]) -> None:
+        app: Celery, clock: Clock) -> None:
     """The list shows each schedule's timing, policies, state and next slot; a schedule's
     page adds its next five fire times and links its last run."""
     add_schedule("nightly", "report", cron="0 3 * * *", timezone="Europe/Paris",
                  catchup="all", catchup_window=timedelta(hours=6), app=app)
     add_schedule("minutely", "report", every=60, overlap="buffer_one", app=app)
-    clock[0] = datetime(2026, 6, 2, 1, 0, 5, tzinfo=UTC)
+    clock.now = datetime(2026, 6, 2, 1, 0, 5, tzinfo=UTC)
     fired = fire_schedules(app).fired
     last = schedule_run_id("nightly", datetime(2026, 6, 2, 1, tzinfo=UTC))
     assert last in fired
@@ -167,7 +160,7 @@ def test_schedules_need_the_view_permission_and_cannot_be_written(app: Celery) -
 
 
 def test_pause_and_resume_actions_change_the_stored_schedules(
-        app: Celery, clock: list[datetime]) -> None:
+        app: Celery, clock: Clock) -> None:
     """The pause and resume actions go through the library: the rows change, each is logged,
     and a schedule already in that state is said to be and left alone."""
     add_schedule("minutely", "report", every=60, app=app)
@@ -184,7 +177,7 @@ def test_pause_and_resume_actions_change_the_stored_schedules(
     assert get_schedule("hourly", app=app).note == "kept"
     assert LogEntry.objects.get(object_id="minutely").get_change_message() == "Paused"
 
-    clock[0] = START + timedelta(minutes=5, seconds=30)
+    clock.now = START + timedelta(minutes=5, seconds=30)
     resumed = messages_of(act(client, "resume_schedules", ["minutely"]).content.decode())
     assert "Resumed (each fires from its next slot after now" in resumed
     schedule = get_schedule("minutely", app=app)
@@ -194,11 +187,11 @@ def test_pause_and_resume_actions_change_the_stored_schedules(
 
 
 def test_actions_without_their_permission_change_nothing(app: Celery,
-                                                         clock: list[datetime]) -> None:
+                                                         clock: Clock) -> None:
     """Without pause_schedule or backfill_schedule the actions are not offered and a posted
     one does nothing."""
     add_schedule("minutely", "report", every=60, app=app)
-    clock[0] = START + timedelta(minutes=10)
+    clock.now = START + timedelta(minutes=10)
     viewer = client_with("view_schedule")
     assert 'name="action"' not in viewer.get(SCHEDULES).content.decode()
     for action in ("pause_schedules", "resume_schedules", "backfill_schedules"):
@@ -220,12 +213,12 @@ def test_actions_without_their_permission_change_nothing(app: Celery,
 
 
 def test_backfill_asks_for_the_range_then_creates_one_run_per_slot(
-        app: Celery, clock: list[datetime]) -> None:
+        app: Celery, clock: Clock) -> None:
     """The backfill action first shows a form for the range; posted, it creates and sends
     one run per slot without one, says how many, and logs it; again, nothing."""
     add_schedule("minutely", "report", every=60, args=("hourly",), app=app)
     pause_schedule("minutely", app=app)
-    clock[0] = START + timedelta(minutes=10)
+    clock.now = START + timedelta(minutes=10)
     client = client_with("view_schedule", "backfill_schedule")
 
     form = act(client, "backfill_schedules", ["minutely"])
@@ -255,11 +248,11 @@ def test_backfill_asks_for_the_range_then_creates_one_run_per_slot(
 
 
 def test_backfill_refusals_are_shown_and_create_nothing(app: Celery,
-                                                        clock: list[datetime]) -> None:
+                                                        clock: Clock) -> None:
     """A range that is reversed or does not parse shows the form again with the error; one
     reaching the future is the library's refusal, as a message; no run is created."""
     add_schedule("minutely", "report", every=60, app=app)
-    clock[0] = START + timedelta(minutes=10)
+    clock.now = START + timedelta(minutes=10)
     client = client_with("view_schedule", "backfill_schedule")
 
     reversed_range = act(client, "backfill_schedules", ["minutely"], apply="Backfill",
