@@ -30,7 +30,6 @@ from celery_duraflow import (
     next_fire_times,
     pause_schedule,
     schedule_run_id,
-    step,
     wait_for_signal,
 )
 from celery_duraflow._config import config_for_app
@@ -39,6 +38,7 @@ from celery_duraflow._store import store_for
 from celery_duraflow.beat import entry_definition
 from celery_duraflow.errors import ScheduleNotFound
 from tests.conftest import CLOCK_START, Clock
+from tests.test_schedules import schedule_app
 
 START = CLOCK_START
 
@@ -76,17 +76,7 @@ def header_of(lines: list[str]) -> dict[str, str]:
 @pytest.fixture
 def app(make_app: Callable[..., Celery], clock: Clock) -> Celery:
     """An eager app on the test's database with a durable task that counts its bodies."""
-    app = make_app()
-    app.conf.calls = Counter()
-
-    @app.task(base=DurableTask, name="report")
-    def report(kind: str = "daily") -> str:
-        with step("send") as s:
-            app.conf.calls[report.request.id] += 1
-            s.result = kind
-        return str(s.result)
-
-    return app
+    return schedule_app(make_app)
 
 
 # -- list and show -------------------------------------------------------------------------

@@ -48,10 +48,11 @@ START = CLOCK_START
 
 
 
-@pytest.fixture
-def app(make_app: Callable[..., Celery]) -> Celery:
-    """An eager app on the test's database, with a durable task that counts its bodies."""
-    app = make_app()
+def schedule_app(make_app: Callable[..., Celery], **conf: Any) -> Celery:
+    """An app on the test's database (eager unless ``conf`` says otherwise) with a durable
+    task ``report`` that counts its bodies in ``app.conf.calls``, a durable ``approve`` that
+    waits for the signal ``go``, and a plain task ``plain``."""
+    app = make_app(**conf)
     app.conf.calls = Counter()
 
     @app.task(base=DurableTask, name="report")
@@ -71,6 +72,25 @@ def app(make_app: Callable[..., Celery]) -> Celery:
         return None
 
     return app
+
+
+@pytest.fixture
+def app(make_app: Callable[..., Celery]) -> Celery:
+    """An eager app of :func:`schedule_app` on the test's database."""
+    return schedule_app(make_app)
+
+
+def nightly_fired_minutely_paused(app: Celery, clock: Clock) -> str:
+    """A cron schedule in Paris that fired its 03:00 slot, and a paused interval schedule
+    beside it: the task id of the fired run."""
+    add_schedule("nightly", "report", cron="0 3 * * *", timezone="Europe/Paris",
+                 catchup="all", catchup_window=timedelta(hours=6), app=app)
+    add_schedule("minutely", "report", every=60, overlap="buffer_one", app=app)
+    clock.now = datetime(2026, 6, 2, 1, 0, 5, tzinfo=UTC)
+    last = schedule_run_id("nightly", datetime(2026, 6, 2, 1, tzinfo=UTC))
+    assert last in fire_schedules(app).fired
+    pause_schedule("minutely", note="mailer down", app=app)
+    return last
 
 
 def _walls(slots: list[datetime]) -> list[str]:

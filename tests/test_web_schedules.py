@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from html import unescape
 from urllib.parse import unquote
 
@@ -29,6 +29,7 @@ from celery_duraflow import (
     step,
 )
 from tests.conftest import CLOCK_START, Clock
+from tests.test_schedules import nightly_fired_minutely_paused
 from tests.test_web import (
     FOREIGN,
     TOKEN,
@@ -91,14 +92,7 @@ def test_page_lists_each_schedule_with_timing_policies_next_times_and_last_run(
         app: Celery, clock: Clock) -> None:
     """The schedules page shows each schedule's timing, policies, state and note, its next
     three fire times (with a cron zone's clock time) and a link to its last run."""
-    add_schedule("nightly", "report", cron="0 3 * * *", timezone="Europe/Paris",
-                 catchup="all", catchup_window=timedelta(hours=6), app=app)
-    add_schedule("minutely", "report", every=60, overlap="buffer_one", app=app)
-    clock.now = datetime(2026, 6, 2, 1, 0, 5, tzinfo=UTC)
-    fired = fire_schedules(app).fired
-    last = schedule_run_id("nightly", datetime(2026, 6, 2, 1, tzinfo=UTC))
-    assert last in fired
-    pause_schedule("minutely", note="mailer down", app=app)
+    last = nightly_fired_minutely_paused(app, clock)
     client = client_for(app)
 
     response = client.get(PAGE)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from html import unescape
 from typing import Any
 
@@ -25,7 +25,6 @@ from sqlalchemy import delete
 from celery_duraflow import (
     DurableTask,
     add_schedule,
-    fire_schedules,
     get_run,
     get_schedule,
     pause_schedule,
@@ -38,6 +37,7 @@ from celery_duraflow.contrib.django import conf
 from celery_duraflow.contrib.django.models import Schedule
 from tests.conftest import CLOCK_START, Clock
 from tests.djangoproj.test_django_admin import app_on, client_with, messages_of, text_of
+from tests.test_schedules import nightly_fired_minutely_paused
 
 pytestmark = pytest.mark.django_db(databases=["default", "lite"], transaction=True)
 
@@ -95,14 +95,7 @@ def test_list_and_page_show_timing_policies_state_and_next_fire_times(
         app: Celery, clock: Clock) -> None:
     """The list shows each schedule's timing, policies, state and next slot; a schedule's
     page adds its next five fire times and links its last run."""
-    add_schedule("nightly", "report", cron="0 3 * * *", timezone="Europe/Paris",
-                 catchup="all", catchup_window=timedelta(hours=6), app=app)
-    add_schedule("minutely", "report", every=60, overlap="buffer_one", app=app)
-    clock.now = datetime(2026, 6, 2, 1, 0, 5, tzinfo=UTC)
-    fired = fire_schedules(app).fired
-    last = schedule_run_id("nightly", datetime(2026, 6, 2, 1, tzinfo=UTC))
-    assert last in fired
-    pause_schedule("minutely", note="mailer down", app=app)
+    last = nightly_fired_minutely_paused(app, clock)
     client = client_with("view_schedule", "view_run")
 
     html = client.get(SCHEDULES).content.decode()

@@ -143,7 +143,24 @@ class _Outcome:
             messages.add_message(request, level, text)
 
 
-class RunAdmin(admin.ModelAdmin):
+class _SteeredAdmin(admin.ModelAdmin):
+    """An admin of rows the library writes: nothing is added, changed or deleted here; the
+    operator's decisions are actions, each under a permission of its own."""
+
+    def has_add_permission(self, request: Any) -> bool:
+        return False
+
+    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
+        return False
+
+    def _may(self, request: Any, codename: str) -> bool:
+        return bool(request.user.has_perm(f"{self.opts.app_label}.{codename}"))
+
+
+class RunAdmin(_SteeredAdmin):
     """Runs, newest first; a run's page shows its steps, waits and signals."""
 
     list_display = ("task_id", "task_name", "status", "waits", "attempts", "created",
@@ -227,21 +244,7 @@ class RunAdmin(admin.ModelAdmin):
             return "-"
         return _pre(_shown(run.result, run.serializer, task_id=run.task_id, what="result"))
 
-    # -- nothing is written through the admin -----------------------------------------------
-
-    def has_add_permission(self, request: Any) -> bool:
-        return False
-
-    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
     # -- what an operator may do to a run ---------------------------------------------------
-
-    def _may(self, request: Any, codename: str) -> bool:
-        return bool(request.user.has_perm(f"{self.opts.app_label}.{codename}"))
 
     def has_approve_permission(self, request: Any) -> bool:
         return self._may(request, "approve_run")
@@ -536,7 +539,7 @@ class BackfillForm(forms.Form):
         return data
 
 
-class ScheduleAdmin(admin.ModelAdmin):
+class ScheduleAdmin(_SteeredAdmin):
     """Durable schedules by name; a schedule's page shows its next fire times."""
 
     list_display = ("name", "task_name", "timing", "policies", "state", "next_fire",
@@ -627,19 +630,8 @@ class ScheduleAdmin(admin.ModelAdmin):
             ((shown_time(moment), f" ({local})" if (local := wall_time(moment, zone)) else "")
              for moment in moments))
 
-    def has_add_permission(self, request: Any) -> bool:
-        return False
-
-    def has_change_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: Any, obj: Any = None) -> bool:
-        return False
 
     # -- what an operator may do to a schedule ----------------------------------------------
-
-    def _may(self, request: Any, codename: str) -> bool:
-        return bool(request.user.has_perm(f"{self.opts.app_label}.{codename}"))
 
     def has_pause_permission(self, request: Any) -> bool:
         return self._may(request, "pause_schedule")
