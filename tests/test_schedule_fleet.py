@@ -95,10 +95,12 @@ class Fleet:
         return self.logs / "hold"
 
     def published(self) -> list[tuple[str, str, str]]:
-        """The publish log's lines as (role, event, task id), oldest first."""
+        """The publish log's lines as (role, event, task id), oldest first (a line still
+        being written, without its newline yet, is left for the next read)."""
         with contextlib.suppress(FileNotFoundError):
+            lines = self.publish_log.read_text().split("\n")[:-1]
             return [(role, event, task_id) for _at, _pid, role, event, task_id in
-                    (line.split() for line in self.publish_log.read_text().splitlines())]
+                    (line.split() for line in lines)]
         return []
 
     def _start(self, role: str, *arguments: str) -> subprocess.Popen[bytes]:
