@@ -9,7 +9,8 @@ to the caller intact::
     ├── ChildFailed               a child run failed (or did not finish in time)
     │   └── ChildTimeout              ... did not finish within the child() timeout
     ├── ConfigurationError        a duraflow_* setting or the database URL is wrong
-    │   └── StoreMisconfigured        ... the store refuses for good (no such database, login)
+    │   ├── StoreMisconfigured        ... the store refuses for good (no such database, login)
+    │   └── InvalidSchedule           ... a schedule that cannot be stored as given
     ├── InvalidStepName           step() got an empty, non-string, malformed or too long name
     ├── InvalidTaskId             a task id the store cannot hold (too long, not a string)
     ├── InvalidDuration           a sleep or timeout that is NaN, infinite or out of range
@@ -22,6 +23,7 @@ to the caller intact::
     ├── RunCancelled              the run was cancelled (its compensations ran)
     ├── RunNotFound               no run with that task id is recorded
     ├── RunStateError             the run's status does not allow the operation
+    ├── ScheduleNotFound          no schedule of that name is stored
     ├── SignalTimeout             wait_for_signal() reached its timeout first
     ├── StepInDoubt               an interrupted step asks for a human (on_in_doubt="raise")
     ├── StepNotPrepared           `with step(...)` in code that was not prepared
