@@ -573,8 +573,10 @@ def fire_debounce(self: Any, task_id: str) -> bool:
     if run.lease_expires_at > _clock.now():
         _send_fire(self.app, task_id, run.lease_expires_at)
         return False
-    if not store.mark_recovering(run, grace=config.lease_seconds):
+    claimed = store.claim_to_send(run, grace=config.lease_seconds)
+    if claimed is None:
         return False
-    send_run(self.app, run)
+    # The arguments as claimed: a send of the burst may have changed them since the read.
+    send_run(self.app, claimed)
     logger.info("debounced run %s (%s) sent", task_id, run.task_name)
     return True

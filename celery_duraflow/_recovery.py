@@ -200,9 +200,10 @@ def sweep(app: Any = None, *, limit: int = 100) -> SweepResult:
                 if _fail(app, run, reason):
                     result.failed.append(run.task_id)
                 continue
-            if not store.mark_recovering(run, grace=config.lease_seconds):
+            claimed = store.claim_to_send(run, grace=config.lease_seconds)
+            if claimed is None:
                 continue  # another sweeper got it
-            send_run(app, run)
+            send_run(app, claimed)
             if run_recovered.receivers:
                 run_recovered.send(sender=app, task_id=run.task_id, task_name=run.task_name,
                                    status=run.status)

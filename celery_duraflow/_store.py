@@ -706,6 +706,15 @@ class Store(WaitStatements, JoinStatements, FlowStatements, ScheduleStatements):
     def mark_recovering(self, run: RunRecord, grace: float) -> bool:
         """Claim the right to send a run found by the sweep; False if another sweeper (or a
         delivery, or a signal) got to it first."""
+        return self.claim_to_send(run, grace) is not None
+
+    def claim_to_send(self, run: RunRecord, grace: float) -> RunRecord | None:
+        """:meth:`mark_recovering`, returning the row as claimed (None if not claimed).
+
+        Send what this returns, not ``run``: a write that left the lease's expiry as it
+        was (a debounced send capped by ``max_delay`` moves the run's arguments but not
+        its fire time) may have changed the row since ``run`` was read.
+        """
         runs = self.tables.runs
         now = utc_now()
         unchanged = (runs.c.lease_expires_at.is_(None) if run.lease_expires_at is None
@@ -732,9 +741,11 @@ class Store(WaitStatements, JoinStatements, FlowStatements, ScheduleStatements):
                     recoveries=runs.c.recoveries + (1 if lost else 0), updated_at=now,
                     interrupted=or_(runs.c.interrupted, runs.c.lease_owner.is_not(None)),
                     wait_kind=None, waiting_for=None, wake_at=None)
+            .returning(*runs.c)
         )
         with self._write("marking a run to be sent again", run.task_id) as conn:
-            return bool(conn.execute(stmt).rowcount)
+            row = conn.execute(stmt).first()
+        return RunRecord.from_row(row) if row is not None else None
 
     def fail_unsendable(self, run: RunRecord, reason: str) -> bool:
         """End, as failed with ``reason``, a run found by the sweep that cannot be sent.

@@ -34,8 +34,9 @@ from celery_duraflow import (
 )
 from celery_duraflow._clock import now as store_now
 from celery_duraflow._config import config_for_app
+from celery_duraflow._flow import FIRE_TASK_NAME
 from celery_duraflow._store import store_for
-from tests.conftest import run_worker, wait_for_status
+from tests.conftest import Clock, run_worker, wait_for_status
 
 RESULT_TIMEOUT = 60.0
 
@@ -666,3 +667,43 @@ def test_a_run_that_succeeds_frees_its_slot_in_the_write_that_records_its_end(
     with store.engine.connect() as conn:
         assert conn.execute(select(store.tables.flow_slots)).all() == []
 
+
+
+def test_a_fire_racing_a_capped_send_sends_the_arguments_it_claimed(
+        make_app: Callable[..., Celery], clock: Clock,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send that joins a burst capped by max_delay (its fire time unchanged) between the
+    fire's read of the run and its claim: the run is sent with that send's arguments, and
+    its delivery runs instead of failing on arguments other than the recorded ones."""
+    app = _worker_app(make_app)
+    seen: list[int] = []
+
+    @app.task(base=DurableTask,
+              duraflow_debounce=Debounce(key="doc", delay=0.5, max_delay=1.0))
+    def reindex(doc: str, version: int) -> int:
+        with step("reindex"):
+            seen.append(version)
+        return version
+
+    start = clock.now
+    task_id = reindex.delay("d-1", 0).id
+    for version in (1, 2):
+        clock.advance(seconds=0.4)
+        assert reindex.delay("d-1", version).id == task_id  # the second is capped at 1.0 s
+    store = store_for(config_for_app(app))
+    read = store.get_run
+
+    def read_then_a_send_lands(run_id: str, **options: Any) -> Any:
+        run = read(run_id, **options)
+        clock.to(start + timedelta(seconds=0.99))
+        assert reindex.delay("d-1", 3).id == task_id  # capped: same fire time, new arguments
+        clock.to(start + timedelta(seconds=1.0))
+        return run
+
+    clock.to(start + timedelta(seconds=1.0))
+    monkeypatch.setattr(store, "get_run", read_then_a_send_lands)
+    assert app.tasks[FIRE_TASK_NAME].apply(args=(task_id,)).get() is True
+    monkeypatch.undo()
+    with run_worker(app):
+        assert reindex.AsyncResult(task_id).get(timeout=RESULT_TIMEOUT) == 3
+    assert seen == [3]
