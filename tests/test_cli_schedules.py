@@ -16,9 +16,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 from celery import Celery
-from celery.bin.celery import celery as celery_command
 from celery.schedules import crontab
-from click.testing import CliRunner, Result
+from click.testing import Result
 
 from celery_duraflow import (
     DurableTask,
@@ -38,21 +37,10 @@ from celery_duraflow._store import store_for
 from celery_duraflow.beat import entry_definition
 from celery_duraflow.errors import ScheduleNotFound
 from tests.conftest import CLOCK_START, Clock
+from tests.test_admin import duraflow, ok
 from tests.test_schedules import schedule_app
 
 START = CLOCK_START
-
-
-def duraflow(app: Celery, *args: str, columns: int = 400) -> Result:
-    """Run ``celery -A <app> duraflow ARGS...`` with a terminal ``columns`` wide."""
-    return CliRunner().invoke(celery_command, ["-A", app, "duraflow", *args],  # type: ignore[list-item]
-                              env={"COLUMNS": str(columns)})
-
-
-def ok(result: Result) -> list[str]:
-    """The output lines of a command that must have exited 0."""
-    assert result.exit_code == 0, (result.output, result.exception)
-    return result.stdout.splitlines()
 
 
 def failed(result: Result, code: int = 1) -> str:
