@@ -272,8 +272,7 @@ def due_slots(spec: Spec, next_fire_at: datetime, now: datetime, *, catchup: Cat
     fire = slots(spec, first, now, limit)
     skipped, skipped_from, skipped_to = 0, None, None
     if next_fire_at < first:
-        missed = [next_fire_at, spec.previous_before(first)]
-        newest = missed[1] if missed[1] is not None and missed[1] >= next_fire_at else None
+        newest = spec.previous_before(first)  # the newest missed slot
         if catchup == "latest" and not fire and newest is not None:
             fire = [newest]
             newest = spec.previous_before(newest)

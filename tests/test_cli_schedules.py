@@ -17,7 +17,6 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from celery import Celery
 from celery.schedules import crontab
-from click.testing import Result
 
 from celery_duraflow import (
     DurableTask,
@@ -37,20 +36,10 @@ from celery_duraflow._store import store_for
 from celery_duraflow.beat import entry_definition
 from celery_duraflow.errors import ScheduleNotFound
 from tests.conftest import CLOCK_START, Clock
-from tests.test_admin import duraflow, ok
+from tests.test_admin import duraflow, failed, ok
 from tests.test_schedules import schedule_app
 
 START = CLOCK_START
-
-
-def failed(result: Result, code: int = 1) -> str:
-    """The error output of a command that must have exited with ``code`` (one line for 1)."""
-    assert result.exit_code == code, (result.output, result.exception)
-    if code == 1:
-        lines = result.stderr.splitlines()
-        assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-        return lines[0]
-    return result.stderr
 
 
 def header_of(lines: list[str]) -> dict[str, str]:
